@@ -1,0 +1,77 @@
+"""django-workflows: a durable, database-native workflow engine for Django.
+
+Define workflows with the names below (pure Python, safe to import anywhere); start and steer
+runs with :func:`start_run`, :func:`cancel_run` and :func:`get_kernel` (loaded lazily, so this
+package never imports models at import time).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .definition import (
+    UNSET,
+    CompletionCheck,
+    CompletionContext,
+    MissingStageOutputError,
+    NoConfig,
+    NoInput,
+    Stage,
+    StageContext,
+    StageResult,
+    Suspend,
+    Workflow,
+    WorkflowDefinitionError,
+    define_async_batch_stage,
+    define_stage,
+    define_workflow,
+    register,
+    registry,
+    stage,
+)
+
+__version__ = "0.1.0.dev0"
+
+_LAZY = {
+    "get_kernel": "django_workflows.kernel.runtime",
+    "start_run": "django_workflows.runs",
+    "cancel_run": "django_workflows.runs",
+    "define_plugin": "django_workflows.plugins",
+    "workflow_event": "django_workflows.plugins",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'django_workflows' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = [
+    "UNSET",
+    "CompletionCheck",
+    "CompletionContext",
+    "MissingStageOutputError",
+    "NoConfig",
+    "NoInput",
+    "Stage",
+    "StageContext",
+    "StageResult",
+    "Suspend",
+    "Workflow",
+    "WorkflowDefinitionError",
+    "cancel_run",
+    "define_async_batch_stage",
+    "define_plugin",
+    "define_stage",
+    "define_workflow",
+    "get_kernel",
+    "register",
+    "registry",
+    "stage",
+    "start_run",
+    "workflow_event",
+]

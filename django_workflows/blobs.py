@@ -1,0 +1,98 @@
+"""Blob store adapters (DM-50..54). The default keeps blobs in the ``workflow_blobs`` table, so a
+stage output is written in the same transaction as the stage outcome.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+from urllib.parse import quote
+
+from .models import WorkflowBlob
+from .ports import Clock, SystemClock
+
+
+class BlobNotFoundError(KeyError):
+    """``get`` of a key that was never stored (DM-50)."""
+
+    def __str__(self) -> str:
+        return f"Blob not found: {self.args[0]}"
+
+
+class DatabaseBlobStore:
+    """Blobs as rows of :class:`~django_workflows.models.WorkflowBlob` (one upsert per ``put``)."""
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock = clock or SystemClock()
+
+    def put(self, key: str, data: Any, *, run_id: str | None = None,
+            stage_id: str | None = None) -> None:
+        self.put_many([(key, data)], run_id=run_id, stage_id=stage_id)
+
+    def put_many(self, items: Iterable[tuple[str, Any]], *, run_id: str | None = None,
+                 stage_id: str | None = None) -> None:
+        now = self.clock.now()
+        rows = [
+            WorkflowBlob(key=k, data=v, created_at=now, run_id=run_id, stage_id=stage_id)
+            for k, v in items
+        ]
+        if rows:
+            WorkflowBlob.objects.bulk_create(
+                rows,
+                update_conflicts=True,
+                unique_fields=["key"],
+                update_fields=["data", "created_at", "run_id", "stage_id"],
+            )
+
+    def get(self, key: str) -> Any:
+        rows = list(WorkflowBlob.objects.filter(key=key).values_list("data", flat=True))
+        if not rows:
+            raise BlobNotFoundError(key)
+        return rows[0]
+
+    def get_many(self, keys: Iterable[str]) -> dict[str, Any]:
+        """``{key: data}`` for the keys that exist (one query)."""
+        keys = list(keys)
+        if not keys:
+            return {}
+        return dict(WorkflowBlob.objects.filter(key__in=keys).values_list("key", "data"))
+
+    def has(self, key: str) -> bool:
+        return WorkflowBlob.objects.filter(key=key).exists()
+
+    def delete(self, key: str) -> None:
+        WorkflowBlob.objects.filter(key=key).delete()
+
+    def list(self, prefix: str) -> list[str]:
+        return list(
+            WorkflowBlob.objects.filter(key__startswith=prefix)
+            .order_by("key")
+            .values_list("key", flat=True)
+        )
+
+    def delete_stage_blobs(self, run_id: str, stage_ids: Iterable[str]) -> int:
+        """Delete what the given stages of a run wrote (outputs, artifacts, storage; DM-54)."""
+        deleted, _ = WorkflowBlob.objects.filter(
+            run_id=run_id, stage_id__in=list(stage_ids)
+        ).delete()
+        return deleted
+
+
+def stage_prefix(workflow_type: str, run_id: str, stage_id: str) -> str:
+    """``workflow-v2/{type}/{run}/{stage}/`` (DM-51)."""
+    return f"workflow-v2/{workflow_type}/{run_id}/{stage_id}/"
+
+
+def output_key(workflow_type: str, run_id: str, stage_id: str) -> str:
+    """Key of a stage's output blob (DM-51)."""
+    return stage_prefix(workflow_type, run_id, stage_id) + "output.json"
+
+
+def artifact_key(workflow_type: str, run_id: str, stage_id: str, name: str) -> str:
+    """Key of a named stage artifact (DM-52)."""
+    return stage_prefix(workflow_type, run_id, stage_id) + f"artifacts/{quote(name, safe='')}.json"
+
+
+def storage_key(workflow_type: str, run_id: str, key: str) -> str:
+    """Key of a ``ctx.storage`` entry: scoped to the run (Part I item 8)."""
+    return f"workflow-v2/{workflow_type}/{run_id}/storage/{key}"

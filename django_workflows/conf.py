@@ -1,0 +1,110 @@
+"""The ``DJANGO_WORKFLOWS`` settings dict: defaults, lazy reads, reset on ``setting_changed``.
+
+Every knob lives in one dict in the project's settings::
+
+    DJANGO_WORKFLOWS = {
+        "STALE_LEASE_SECONDS": 300,
+        "TICK_INTERVAL_SECONDS": 1.0,
+    }
+
+Read a value with ``workflow_settings.STALE_LEASE_SECONDS``. Values are read lazily, so
+``override_settings(DJANGO_WORKFLOWS=...)`` works in tests. Units are part of every name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+DEFAULTS: dict[str, Any] = {
+    # Jobs (SPEC §7.1, DM-40..49)
+    # Delivery attempts per job before it is failed for good (DM-40, Part I item 3).
+    "MAX_ATTEMPTS": 3,
+    # A RUNNING job whose lease is older than this is released for re-delivery (DM-45, H-10).
+    "STALE_LEASE_SECONDS": 300,
+    # How often a worker refreshes the lease of the job it executes (H-2).
+    "HEARTBEAT_INTERVAL_SECONDS": 60.0,
+    # Base of the retry back-off: attempt n waits BASE * 2**(n-1) seconds (DM-44).
+    "RETRY_BACKOFF_BASE_SECONDS": 2.0,
+    # Upper bound of one retry back-off wait.
+    "RETRY_BACKOFF_MAX_SECONDS": 300.0,
+    # Where a suspended stage is next polled when it names no time (SM-22, K-JE-16).
+    "SUSPEND_FALLBACK_SECONDS": 60.0,
+    # Maintenance tick (SPEC §7.3)
+    "MAX_CLAIMS_PER_TICK": 10,
+    "MAX_SUSPENDED_CHECKS_PER_TICK": 10,
+    "MAX_OUTBOX_FLUSH_PER_TICK": 100,
+    # Runs with no activity for this long are reaped; None = max(3 * stale lease, 300) (H-10).
+    "STUCK_THRESHOLD_SECONDS": None,
+    # Idempotency keys left "in progress" longer than this may be reclaimed (K-1, K-12).
+    # None disables reclaiming.
+    "IDEMPOTENCY_STALE_SECONDS": 600.0,
+    # Outbox delivery attempts before an event is dead-lettered (EV-5).
+    "OUTBOX_MAX_RETRIES": 3,
+    # Plugins: dotted paths to objects made with ``define_plugin`` (EV-30).
+    "PLUGINS": [],
+    # Worker transport (django-q2)
+    # Ready jobs one wake-up task drains before it returns.
+    "JOBS_PER_WAKEUP": 10,
+    # The ticker task runs maintenance ticks this often while it holds the ticker lease.
+    "TICK_INTERVAL_SECONDS": 1.0,
+    # How long one ticker task keeps ticking before it returns (must stay below Q_CLUSTER
+    # "timeout"); the one-minute django-q2 schedule starts the next one.
+    "TICKER_RUN_SECONDS": 50.0,
+    # Install the django-q2 schedule for the ticker after ``migrate`` (post_migrate).
+    "INSTALL_SCHEDULE": True,
+    # Name of the django-q2 cluster/queue that wake-ups are sent to (None = default).
+    "Q_CLUSTER_NAME": None,
+    # Module that each installed app may define with its workflows (autodiscovery).
+    "AUTODISCOVER_MODULE": "workflows",
+    # The transport used to wake workers: "django_q" or "inline" (tests: nothing is sent).
+    "TRANSPORT": "django_workflows.transport.django_q.DjangoQTransport",
+}
+
+
+class WorkflowSettings:
+    """Attribute access to ``DJANGO_WORKFLOWS`` merged over :data:`DEFAULTS`.
+
+    Raises:
+        AttributeError: for a name that is not a known setting.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Any] = {}
+
+    @property
+    def user_settings(self) -> dict[str, Any]:
+        return dict(getattr(settings, "DJANGO_WORKFLOWS", None) or {})
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name not in DEFAULTS:
+            raise AttributeError(f"Unknown DJANGO_WORKFLOWS setting {name!r}")
+        if name not in self._cache:
+            self._cache[name] = self.user_settings.get(name, DEFAULTS[name])
+        return self._cache[name]
+
+    @property
+    def stuck_threshold_seconds(self) -> float:
+        """The stuck-run threshold in seconds: the setting, or max(3 x stale lease, 300) (H-10)."""
+        value = self.STUCK_THRESHOLD_SECONDS
+        if value is None:
+            return max(3 * float(self.STALE_LEASE_SECONDS), 300.0)
+        return float(value)
+
+    def reload(self) -> None:
+        self._cache.clear()
+
+
+workflow_settings = WorkflowSettings()
+
+
+@receiver(setting_changed)
+def _reload_settings(*, setting: str, **kwargs: Any) -> None:
+    if setting == "DJANGO_WORKFLOWS":
+        workflow_settings.reload()
+        from django_workflows.kernel import runtime
+
+        runtime.reset_default_kernel()

@@ -1,0 +1,68 @@
+"""The workflow registry: ``workflow_id -> Workflow`` (K-1 ``registry``).
+
+Apps register their workflows in a ``workflows`` module, which the app config imports at start-up
+(autodiscovery)::
+
+    # myapp/workflows.py
+    from django_workflows import register
+    register(my_workflow)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from .stage import WorkflowDefinitionError
+from .workflow import Workflow
+
+
+class WorkflowRegistry:
+    """A mapping of workflow ids to built workflows."""
+
+    def __init__(self) -> None:
+        self._workflows: dict[str, Workflow] = {}
+
+    def register(self, workflow: Workflow) -> Workflow:
+        """Add ``workflow`` and return it (so it can be used as an expression).
+
+        Raises:
+            WorkflowDefinitionError: ``workflow`` is not a built :class:`Workflow`, or another
+                workflow already uses its id.
+        """
+        if not isinstance(workflow, Workflow):
+            raise WorkflowDefinitionError(
+                f"register() expects a built Workflow (call .build()), got {workflow!r}"
+            )
+        existing = self._workflows.get(workflow.id)
+        if existing is not None and existing is not workflow:
+            raise WorkflowDefinitionError(f"A workflow with id {workflow.id!r} is already registered")
+        self._workflows[workflow.id] = workflow
+        return workflow
+
+    def unregister(self, workflow_id: str) -> None:
+        self._workflows.pop(workflow_id, None)
+
+    def get(self, workflow_id: str) -> Workflow | None:
+        """The workflow with ``workflow_id`` or ``None``."""
+        return self._workflows.get(workflow_id)
+
+    def __contains__(self, workflow_id: object) -> bool:
+        return workflow_id in self._workflows
+
+    def __iter__(self) -> Iterator[Workflow]:
+        return iter(sorted(self._workflows.values(), key=lambda w: w.id))
+
+    def __len__(self) -> int:
+        return len(self._workflows)
+
+    def clear(self) -> None:
+        self._workflows.clear()
+
+
+#: The process-wide registry filled by autodiscovery.
+registry = WorkflowRegistry()
+
+
+def register(workflow: Workflow) -> Workflow:
+    """Register ``workflow`` in the default registry. See :meth:`WorkflowRegistry.register`."""
+    return registry.register(workflow)

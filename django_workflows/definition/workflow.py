@@ -1,0 +1,239 @@
+"""Workflow builder and the immutable workflow it builds (SPEC §3.5-3.8; Part I item 5).
+
+::
+
+    workflow = (
+        define_workflow(id="docs", name="Document pipeline", input=DocsInput)
+        .pipe(discover)                        # execution group 1
+        .parallel([parse_metadata, text_stats])  # execution group 2
+        .pipe(report)                          # execution group 3
+        .build()
+    )
+
+Groups run in order; the stages of one group run in parallel. A stage in group ``n > 1``
+receives the output of group ``n - 1``: the single stage's output, or ``{stage_id: output}``
+for a parallel group (WF-40).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from .stage import NoInput, Stage, WorkflowDefinitionError, format_validation_error, validate_id
+
+
+@dataclass(frozen=True)
+class StageNode:
+    """A stage placed in a workflow: its 1-based execution group and stage number (WF-31/32)."""
+
+    stage: Stage
+    execution_group: int
+    stage_number: int
+
+
+class Workflow:
+    """A built, immutable workflow definition (WF-34, WF-37)."""
+
+    def __init__(
+        self,
+        *,
+        id: str,
+        name: str,
+        description: str,
+        input_model: type[BaseModel],
+        groups: Sequence[Sequence[Stage]],
+    ) -> None:
+        self.id = id
+        self.name = name
+        self.description = description
+        self.input_model = input_model
+        self._groups: tuple[tuple[StageNode, ...], ...] = ()
+        nodes: list[tuple[StageNode, ...]] = []
+        number = 0
+        for group_index, group in enumerate(groups, start=1):
+            placed = []
+            for stage in group:
+                number += 1
+                placed.append(StageNode(stage, group_index, number))
+            nodes.append(tuple(placed))
+        self._groups = tuple(nodes)
+        self._by_id = {node.stage.id: node for group in self._groups for node in group}
+
+    # --- queries (WF-37) ------------------------------------------------------------------
+
+    @property
+    def execution_plan(self) -> tuple[tuple[StageNode, ...], ...]:
+        """Execution groups in order, each a tuple of :class:`StageNode`."""
+        return self._groups
+
+    @property
+    def group_count(self) -> int:
+        return len(self._groups)
+
+    @property
+    def nodes(self) -> tuple[StageNode, ...]:
+        """All stage nodes in definition order."""
+        return tuple(node for group in self._groups for node in group)
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        return tuple(node.stage for node in self.nodes)
+
+    @property
+    def stage_ids(self) -> tuple[str, ...]:
+        return tuple(node.stage.id for node in self.nodes)
+
+    def has_stage(self, stage_id: str) -> bool:
+        return stage_id in self._by_id
+
+    def get_stage(self, stage_id: str) -> Stage | None:
+        node = self._by_id.get(stage_id)
+        return node.stage if node else None
+
+    def node(self, stage_id: str) -> StageNode:
+        """The node of ``stage_id``. Raises ``KeyError`` naming the valid ids."""
+        try:
+            return self._by_id[stage_id]
+        except KeyError:
+            raise KeyError(
+                f"Stage {stage_id!r} not found in workflow {self.id!r}; "
+                f"valid stage ids: {', '.join(self.stage_ids)}"
+            ) from None
+
+    def stages_in_group(self, group: int) -> tuple[StageNode, ...]:
+        """Nodes of the 1-based execution group ``group`` (empty when out of range)."""
+        if 1 <= group <= len(self._groups):
+            return self._groups[group - 1]
+        return ()
+
+    # --- config and input (WF-42..44, K-CR-2/3) -------------------------------------------
+
+    def default_config(self) -> dict[str, dict[str, Any]]:
+        """``{stage_id: defaults}`` for every stage (WF-43)."""
+        return {node.stage.id: node.stage.default_config for node in self.nodes}
+
+    def merge_config(self, config: dict[str, Any] | None) -> dict[str, Any]:
+        """Shallow merge of defaults and the caller's map (WF-44)."""
+        return {**self.default_config(), **(config or {})}
+
+    def validate_config(self, config: dict[str, Any]) -> list[tuple[str, str]]:
+        """Every config error as ``(stage_id, "Config validation failed: ...")`` (WF-42)."""
+        errors = []
+        for node in self.nodes:
+            error = node.stage.validate_config(config.get(node.stage.id) or {})
+            if error:
+                errors.append((node.stage.id, f"Config validation failed: {error}"))
+        return errors
+
+    def parse_input(self, raw: Any) -> BaseModel:
+        """Validate the workflow input. Raises ``pydantic.ValidationError``."""
+        return self.input_model.model_validate(raw)
+
+    def input_errors(self, raw: Any) -> str | None:
+        try:
+            self.parse_input(raw)
+        except ValidationError as exc:
+            return format_validation_error(exc)
+        return None
+
+    def __repr__(self) -> str:
+        return f"<Workflow {self.id}: {' -> '.join(self.describe_groups())}>"
+
+    def describe_groups(self) -> list[str]:
+        """One text per execution group, e.g. ``"discover"`` or ``"[a | b]"``."""
+        out = []
+        for group in self._groups:
+            ids = [node.stage.id for node in group]
+            out.append(ids[0] if len(ids) == 1 else "[" + " | ".join(ids) + "]")
+        return out
+
+
+class WorkflowBuilder:
+    """Builds a :class:`Workflow` group by group (WF-30..35). Obtain one from
+    :func:`define_workflow`.
+    """
+
+    def __init__(
+        self, id: str, name: str, description: str = "", input: type[BaseModel] | None = None
+    ) -> None:
+        self.id = validate_id("workflow", id)
+        self.name = name or id
+        self.description = description
+        self.input_model = input or NoInput
+        if not (isinstance(self.input_model, type) and issubclass(self.input_model, BaseModel)):
+            raise WorkflowDefinitionError(
+                f"Workflow {id!r}: input must be a pydantic BaseModel subclass"
+            )
+        self._groups: list[list[Stage]] = []
+        self._ids: list[str] = []
+
+    def _check(self, stages: list[Stage], parallel: bool) -> None:
+        for stage in stages:
+            if not isinstance(stage, Stage):
+                raise WorkflowDefinitionError(
+                    f"Workflow {self.id!r}: expected a Stage, got {stage!r}"
+                )
+        new_ids = [s.id for s in stages]
+        dupes = sorted({i for i in new_ids if new_ids.count(i) > 1 or i in self._ids})
+        if dupes:
+            raise WorkflowDefinitionError(
+                f"Workflow {self.id!r}: duplicate stage ids {', '.join(dupes)}"
+            )
+        known = set(self._ids)
+        for stage in stages:
+            missing = [d for d in stage.dependencies if d not in known]
+            if missing:
+                where = " (in parallel group)" if parallel else ""
+                current = ", ".join(self._ids) or "(none)"
+                raise WorkflowDefinitionError(
+                    f"Stage {stage.id!r} has missing dependencies{where}: {', '.join(missing)}. "
+                    f"Stages defined before it: {current}"
+                )
+
+    def pipe(self, stage: Stage) -> WorkflowBuilder:
+        """Append ``stage`` as a new execution group of its own (WF-31)."""
+        self._check([stage], parallel=False)
+        self._groups.append([stage])
+        self._ids.append(stage.id)
+        return self
+
+    def parallel(self, stages: Iterable[Stage]) -> WorkflowBuilder:
+        """Append one execution group whose stages run in parallel (WF-31).
+
+        Raises:
+            WorkflowDefinitionError: an empty group (Part I item 5, EC-31b), a duplicate id, or
+                a dependency on a sibling or a later stage (WF-33).
+        """
+        group = list(stages)
+        if not group:
+            raise WorkflowDefinitionError(
+                f"Workflow {self.id!r}: parallel() needs at least one stage (empty group "
+                f"after {', '.join(self._ids) or 'the start'})"
+            )
+        self._check(group, parallel=True)
+        self._groups.append(group)
+        self._ids.extend(s.id for s in group)
+        return self
+
+    def build(self) -> Workflow:
+        """Return the immutable workflow. Raises if it has no stage (Part I item 5)."""
+        if not self._groups:
+            raise WorkflowDefinitionError(f"Workflow {self.id!r} has no stages")
+        return Workflow(
+            id=self.id,
+            name=self.name,
+            description=self.description,
+            input_model=self.input_model,
+            groups=[list(g) for g in self._groups],
+        )
+
+
+def define_workflow(
+    *, id: str, name: str | None = None, input: type[BaseModel] | None = None, description: str = ""
+) -> WorkflowBuilder:
+    """Start a workflow definition (WF-30). ``input=None`` accepts any object and ignores it."""
+    return WorkflowBuilder(id, name or id, description, input)

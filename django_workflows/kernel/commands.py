@@ -1,0 +1,287 @@
+"""Commands (data) and their results (SPEC §4, Appendix A).
+
+Every state change is one of these, passed to :meth:`Kernel.dispatch`. Time fields are in
+seconds (``*_seconds``); ids are strings or UUIDs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, ClassVar, Literal
+
+from django.utils.dateparse import parse_datetime
+
+
+class Result:
+    """Base of command results: JSON-able for the idempotency cache (K-10, K-14)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload,no-any-return]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Any:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class AnnotationSpec:
+    """Annotations attached at run creation (AN-20): ``attributes`` share the envelope."""
+
+    attributes: dict[str, Any]
+    actor: dict[str, str | None] | None = None
+    payload: Any = None
+    idempotency_key: str | None = None
+    emit_event: bool = False
+
+
+# --- run.create (K-CR) ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CreateRun:
+    """Create a PENDING run of a registered workflow (SPEC §4.1).
+
+    Attributes:
+        workflow_id: a registered workflow id.
+        input: JSON object validated by the workflow's input model; stored raw.
+        config: ``{stage_id: {...}}`` merged shallowly over the stage defaults (WF-44).
+        priority: higher runs sooner (default 5).
+        idempotency_key: a replay with the same key returns the first result.
+        metadata: deprecated free-form JSON object (AN-30).
+        annotations: run-scope annotations written atomically with the run (AN-20).
+    """
+
+    type: ClassVar[str] = "run.create"
+    workflow_id: str
+    input: Any = field(default_factory=dict)
+    config: dict[str, Any] | None = None
+    priority: int = 5
+    idempotency_key: str | None = None
+    metadata: dict[str, Any] | None = None
+    annotations: tuple[AnnotationSpec, ...] = ()
+
+
+@dataclass
+class CreateRunResult(Result):
+    workflow_run_id: str
+    status: str
+
+
+# --- run.claimPending (K-CP) ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClaimPendingRuns:
+    """Claim up to ``max_claims`` PENDING runs and enqueue their first group (SPEC §4.2)."""
+
+    type: ClassVar[str] = "run.claimPending"
+    worker_id: str
+    max_claims: int = 10
+
+
+@dataclass
+class ClaimedRun:
+    workflow_run_id: str
+    workflow_id: str
+    job_ids: list[int]
+
+
+@dataclass
+class ClaimPendingRunsResult(Result):
+    claimed: list[ClaimedRun]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ClaimPendingRunsResult:
+        return cls(claimed=[ClaimedRun(**c) for c in data["claimed"]])
+
+
+# --- run.transition (K-TR) --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransitionRun:
+    """Advance a RUNNING run to its next group, complete it or fail it (SPEC §4.3)."""
+
+    type: ClassVar[str] = "run.transition"
+    workflow_run_id: Any
+
+
+@dataclass
+class TransitionRunResult(Result):
+    action: Literal["advanced", "completed", "failed", "noop"]
+    next_group: int | None = None
+
+
+# --- run.cancel (K-CA) ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CancelRun:
+    """Cancel a PENDING or RUNNING run, its open stages and queued jobs (SPEC §4.4)."""
+
+    type: ClassVar[str] = "run.cancel"
+    workflow_run_id: Any
+    reason: str | None = None
+
+
+@dataclass
+class CancelRunResult(Result):
+    cancelled: bool
+
+
+# --- run.rerunFrom (K-RR) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RerunFrom:
+    """Rerun a COMPLETED or FAILED run from the execution group of ``from_stage_id`` (§4.5)."""
+
+    type: ClassVar[str] = "run.rerunFrom"
+    workflow_run_id: Any
+    from_stage_id: str
+    idempotency_key: str | None = None
+
+
+@dataclass
+class RerunFromResult(Result):
+    workflow_run_id: str
+    from_stage_id: str
+    deleted_stages: list[str]
+
+
+# --- job.execute (K-JE) -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExecuteJob:
+    """Execute one stage of one run in three phases (SPEC §4.6).
+
+    Attributes:
+        config: the whole run-config map (the stage reads its own slice, WF-45).
+        attempt: the job's delivery count, for the context and logs.
+    """
+
+    type: ClassVar[str] = "job.execute"
+    workflow_run_id: Any
+    workflow_id: str
+    stage_id: str
+    config: dict[str, Any] = field(default_factory=dict)
+    idempotency_key: str | None = None
+    job_id: int | None = None
+
+
+@dataclass
+class ExecuteJobResult(Result):
+    outcome: Literal["completed", "suspended", "failed"]
+    output: Any = None
+    error: str | None = None
+    next_poll_at: datetime | None = None
+    ghost: bool = False
+    retryable: bool | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ExecuteJobResult:
+        data = dict(data)
+        if isinstance(data.get("next_poll_at"), str):
+            data["next_poll_at"] = parse_datetime(data["next_poll_at"])
+        return cls(**data)
+
+
+# --- stage.pollSuspended (K-PS) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PollSuspendedStages:
+    """Call ``check_completion`` of due suspended stages (SPEC §4.7)."""
+
+    type: ClassVar[str] = "stage.pollSuspended"
+    max_checks: int = 50
+
+
+@dataclass
+class PollSuspendedStagesResult(Result):
+    checked: int = 0
+    resumed: int = 0
+    failed: int = 0
+    resumed_workflow_run_ids: list[str] = field(default_factory=list)
+
+
+# --- lease.reapStale (K-LR) -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReapStaleLeases:
+    """Return RUNNING jobs whose lease is older than the threshold to the queue (SPEC §4.8)."""
+
+    type: ClassVar[str] = "lease.reapStale"
+    stale_threshold_seconds: float
+
+
+@dataclass
+class ReapStaleLeasesResult(Result):
+    released: int
+    failed: int = 0
+
+
+# --- run.reapStuck (K-RS) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReapStuckRuns:
+    """Recover or fail RUNNING runs that nothing will advance (SPEC §4.9, Part I item 4)."""
+
+    type: ClassVar[str] = "run.reapStuck"
+    stuck_threshold_seconds: float
+
+
+@dataclass
+class ReapStuckRunsResult(Result):
+    transitioned: int = 0
+    failed: int = 0
+    recovered: int = 0
+
+
+# --- outbox.flush / plugin.replayDLQ (§5) -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlushOutbox:
+    """Publish unpublished outbox events in per-run order (EV-4)."""
+
+    type: ClassVar[str] = "outbox.flush"
+    max_events: int = 100
+
+
+@dataclass
+class FlushOutboxResult(Result):
+    published: int
+
+
+@dataclass(frozen=True)
+class ReplayDeadLetters:
+    """Re-arm up to ``max_events`` dead-lettered outbox events (EV-32)."""
+
+    type: ClassVar[str] = "plugin.replayDLQ"
+    max_events: int = 100
+
+
+@dataclass
+class ReplayDeadLettersResult(Result):
+    replayed: int
+
+
+Command = (
+    CreateRun
+    | ClaimPendingRuns
+    | TransitionRun
+    | CancelRun
+    | RerunFrom
+    | ExecuteJob
+    | PollSuspendedStages
+    | ReapStaleLeases
+    | ReapStuckRuns
+    | FlushOutbox
+    | ReplayDeadLetters
+)

@@ -1,0 +1,160 @@
+"""``Kernel.dispatch``: routing, idempotency, transactions and outbox appends (SPEC §4.0).
+
+Routing (K-4):
+
+* ``run.create``, ``run.claimPending``, ``run.transition``, ``run.cancel``, ``run.rerunFrom``,
+  ``lease.reapStale``, ``run.reapStuck`` run in **one** ``transaction.atomic()``; their events
+  are appended to the outbox in that transaction (K-5). Jobs they enqueue are rows of the same
+  database, so they commit atomically with the state change; worker wake-ups are sent with
+  ``transaction.on_commit`` (this replaces upstream's post-commit enqueue, K-7/EC-2: no orphan
+  and no missing jobs).
+* ``job.execute`` and ``stage.pollSuspended`` manage their own short transactions.
+* ``outbox.flush`` and ``plugin.replayDLQ`` run directly and write no events.
+
+Commands with an ``idempotency_key`` (``run.create``, ``run.rerunFrom``, ``job.execute``) go
+through the idempotency procedure of K-10: a replay returns the cached result and writes
+nothing; a key in progress raises :class:`IdempotencyInProgressError`; a raised error releases
+the key.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from django.db import transaction
+
+from ..definition.registry import WorkflowRegistry
+from ..definition.registry import registry as default_registry
+from ..ports import BlobStore, Clock, EventSink, JobTransport, SystemClock
+from . import commands as c
+from . import idempotency
+from .errors import IdempotencyInProgressError, UnknownCommandError
+from .handlers.base import HandlerOutput
+from .outbox import append_events, new_causation_id
+from .queue import JobQueue
+
+if TYPE_CHECKING:
+    from .executor import Executor
+
+
+class Kernel:
+    """The engine: one entry point, :meth:`dispatch`, for every state change (K-1, K-2).
+
+    Args:
+        registry: where workflow ids resolve (default: the autodiscovered registry).
+        clock: time source for every engine timestamp (Part I item 12).
+        blob_store: stage outputs, artifacts and ``ctx.storage`` (default: database rows).
+        transport: wakes workers after commits (default: nothing is sent).
+        event_sink: receives flushed outbox events (default: no-op sink).
+        executor: runs stage code (default: :class:`~.executor.LocalExecutor`).
+        idempotency_stale_seconds: in-progress keys older than this may be reclaimed (K-1);
+            ``None`` never reclaims.
+    """
+
+    def __init__(
+        self,
+        *,
+        registry: WorkflowRegistry | None = None,
+        clock: Clock | None = None,
+        blob_store: BlobStore | None = None,
+        transport: JobTransport | None = None,
+        event_sink: EventSink | None = None,
+        executor: Executor | None = None,
+        idempotency_stale_seconds: float | None = 600.0,
+    ) -> None:
+        from ..blobs import DatabaseBlobStore
+        from ..plugins import PluginRunner
+        from ..transport.inline import NullTransport
+        from .executor import LocalExecutor
+
+        self.registry = registry if registry is not None else default_registry
+        self.clock = clock or SystemClock()
+        self.blobs: BlobStore = blob_store or DatabaseBlobStore(self.clock)
+        self.transport: JobTransport = transport or NullTransport()
+        self.event_sink: EventSink = event_sink or PluginRunner([])
+        self.executor = executor or LocalExecutor()
+        self.idempotency_stale_seconds = idempotency_stale_seconds
+        self.queue = JobQueue(self.clock, self.transport)
+
+    def now(self) -> Any:
+        return self.clock.now()
+
+    def dispatch(self, command: Any) -> Any:
+        """Run ``command`` and return its result (see the module docstring for routing).
+
+        Raises:
+            UnknownCommandError: ``command`` is not a command object.
+            IdempotencyInProgressError: the same key is being processed elsewhere.
+            WorkflowError: the specific errors documented on each command.
+        """
+        route = _routes().get(type(command))
+        if route is None:
+            raise UnknownCommandError(f"Unknown command {command!r}")
+        handler, transactional, result_cls = route
+        key = getattr(command, "idempotency_key", None) or None
+        if not key:
+            return self._run(handler, transactional, command, None)
+        acquired = idempotency.acquire(
+            key,
+            command.type,
+            now=self.clock.now(),
+            stale_after_seconds=self.idempotency_stale_seconds,
+        )
+        if acquired.outcome == "replay":
+            return result_cls.from_json(acquired.result)
+        if acquired.outcome == "in_progress":
+            raise IdempotencyInProgressError(key, command.type)
+        try:
+            result = self._run(handler, transactional, command, key)
+            idempotency.complete(key, command.type, result.to_json())
+        except BaseException:
+            try:
+                idempotency.release(key, command.type)
+            except Exception:  # release errors are swallowed (K-10)
+                pass
+            raise
+        return result
+
+    def _run(
+        self, handler: Callable[..., Any], transactional: bool, command: Any, key: str | None
+    ) -> Any:
+        if not transactional:
+            return handler(self, command)
+        with transaction.atomic():
+            out: HandlerOutput = handler(self, command)
+            append_events(out.events, key or new_causation_id(), self.clock.now())
+        return out.result
+
+
+@functools.cache
+def _routes() -> dict[type, tuple[Callable[..., Any], bool, type[c.Result]]]:
+    from .handlers import (
+        job_execute,
+        lease_reap_stale,
+        outbox_flush,
+        plugin_replay_dlq,
+        run_cancel,
+        run_claim_pending,
+        run_create,
+        run_reap_stuck,
+        run_rerun_from,
+        run_transition,
+        stage_poll_suspended,
+    )
+
+    return {
+        c.CreateRun: (run_create.handle, True, c.CreateRunResult),
+        c.ClaimPendingRuns: (run_claim_pending.handle, True, c.ClaimPendingRunsResult),
+        c.TransitionRun: (run_transition.handle, True, c.TransitionRunResult),
+        c.CancelRun: (run_cancel.handle, True, c.CancelRunResult),
+        c.RerunFrom: (run_rerun_from.handle, True, c.RerunFromResult),
+        c.ReapStaleLeases: (lease_reap_stale.handle, True, c.ReapStaleLeasesResult),
+        c.ReapStuckRuns: (run_reap_stuck.handle, True, c.ReapStuckRunsResult),
+        c.ExecuteJob: (job_execute.handle, False, c.ExecuteJobResult),
+        c.PollSuspendedStages: (stage_poll_suspended.handle, False, c.PollSuspendedStagesResult),
+        c.FlushOutbox: (outbox_flush.handle, False, c.FlushOutboxResult),
+        c.ReplayDeadLetters: (plugin_replay_dlq.handle, False, c.ReplayDeadLettersResult),
+    }
+

@@ -1,0 +1,194 @@
+"""The activity executor port and the in-process executor (SPEC §4.13, K-30/31, K-JE-9).
+
+The executor validates input and config, builds the context, calls the stage, and normalises
+what it returns. Every exception from parsing or the stage body is captured as an outcome;
+pydantic validation errors (input or output) are not retryable. An exception raised by the
+executor machinery itself propagates out of ``job.execute`` (K-JE-8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from ..definition.context import AnnotationInput, StageContext, StageServices
+from ..definition.results import (
+    DEFAULT_MAX_WAIT_SECONDS,
+    DEFAULT_POLL_INTERVAL_SECONDS,
+    StageResult,
+    Suspend,
+)
+from ..definition.stage import Stage, format_validation_error
+from ..definition.workflow import Workflow
+
+
+@dataclass
+class ExecutionInput:
+    """Everything a stage execution needs (K-JE-8)."""
+
+    workflow: Workflow
+    stage: Stage
+    workflow_run_id: str
+    stage_record_id: str
+    stage_number: int
+    attempt: int
+    raw_input: Any
+    config: dict[str, Any]
+    resume_state: dict[str, Any] | None
+    workflow_context: dict[str, Any]
+    services: StageServices
+    now: datetime
+
+
+@dataclass
+class SuspendOutcome:
+    """A normalised suspension (WF-8, K-JE-16)."""
+
+    state: dict[str, Any]
+    next_poll_at: datetime
+    poll_interval_ms: int
+    max_wait_until: datetime | None
+    metrics: dict[str, Any] | None
+
+
+@dataclass
+class ExecutionOutcome:
+    """What the executor returns: exactly one of ``result``/``suspend``/``error`` is set (K-30)."""
+
+    result: StageResult | None = None
+    output: Any = None
+    suspend: SuspendOutcome | None = None
+    error: str | None = None
+    retryable: bool | None = None
+    progress: list[dict[str, Any]] = field(default_factory=list)
+    annotations: list[AnnotationInput] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+class Executor(Protocol):
+    """Runs one stage execution (K-30)."""
+
+    def run(self, execution: ExecutionInput) -> ExecutionOutcome: ...
+
+
+def error_text(exc: BaseException) -> str:
+    """``"Name: message"`` unless the class is the generic ``Exception`` (K-JE-11)."""
+    if isinstance(exc, ValidationError):
+        return f"ValidationError: {format_validation_error(exc)}"
+    message = str(exc) or repr(exc)
+    name = type(exc).__name__
+    return message if type(exc) is Exception else f"{name}: {message}"
+
+
+def normalise_suspend(value: Suspend, now: datetime) -> SuspendOutcome:
+    """Resolve poll interval, deadline and first poll time of a suspension (WF-8, K-JE-16).
+
+    Raises:
+        ValueError: the state is not an object with a ``batch_id`` string (WF-4).
+    """
+    state = dict(value.state or {})
+    if not isinstance(state.get("batch_id"), str) or not state["batch_id"]:
+        raise ValueError("Suspend.state must contain a non-empty 'batch_id' string (WF-4)")
+    poll = value.poll_interval_seconds
+    if poll is None:
+        poll = state.get("poll_interval_seconds", DEFAULT_POLL_INTERVAL_SECONDS)
+    max_wait = value.max_wait_seconds
+    if max_wait is None:
+        max_wait = state.get("max_wait_seconds", DEFAULT_MAX_WAIT_SECONDS)
+    submitted = state.get("submitted_at") or now.isoformat()
+    state.update(
+        submitted_at=submitted, poll_interval_seconds=poll, max_wait_seconds=max_wait
+    )
+    next_poll_at = value.next_poll_at or now + timedelta(seconds=float(poll))
+    return SuspendOutcome(
+        state=state,
+        next_poll_at=next_poll_at,
+        poll_interval_ms=int(float(poll) * 1000),
+        max_wait_until=now + timedelta(seconds=float(max_wait)) if max_wait else None,
+        metrics=dict(value.metrics) if value.metrics else None,
+    )
+
+
+class LocalExecutor:
+    """Runs the stage in this process (K-31)."""
+
+    def run(self, execution: ExecutionInput) -> ExecutionOutcome:
+        stage = execution.stage
+        ctx: StageContext[Any, Any] | None = None
+        outcome = ExecutionOutcome()
+        try:
+            try:
+                parsed_input = stage.parse_input(execution.raw_input)
+            except ValidationError as exc:
+                raise _StageInputError(exc) from exc
+            raw_config = execution.config.get(stage.id) or {}
+            try:
+                config = stage.parse_config(raw_config)
+            except ValidationError as exc:
+                outcome.warnings.append(
+                    f"Stage {stage.id!r}: config failed validation, using the raw config: "
+                    f"{format_validation_error(exc)}"
+                )
+                config = stage.config_model.model_construct(**raw_config)
+            ctx = StageContext(
+                workflow_run_id=execution.workflow_run_id,
+                workflow_id=execution.workflow.id,
+                stage_id=stage.id,
+                stage_record_id=execution.stage_record_id,
+                attempt=execution.attempt,
+                services=execution.services,
+                stage_name=stage.name,
+                stage_number=execution.stage_number,
+                input=parsed_input,
+                config=config,
+                workflow_context=execution.workflow_context,
+                resume_state=execution.resume_state,
+            )
+            value = stage.execute(ctx)
+            if isinstance(value, Suspend):
+                if stage.mode != "async-batch":
+                    outcome.error = (
+                        f"DefinitionError: stage {stage.id!r} is a sync stage but returned "
+                        "Suspend; define it with define_async_batch_stage"
+                    )
+                    outcome.retryable = False
+                else:
+                    try:
+                        outcome.suspend = normalise_suspend(value, execution.now)
+                    except ValueError as exc:
+                        outcome.error = f"DefinitionError: {exc}"
+                        outcome.retryable = False
+            else:
+                result = value if isinstance(value, StageResult) else StageResult(output=value)
+                try:
+                    outcome.output = stage.parse_output(result.output)
+                except ValidationError as exc:
+                    outcome.error = (
+                        f"ValidationError: invalid output of stage {stage.id!r}: "
+                        f"{format_validation_error(exc)}"
+                    )
+                    outcome.retryable = False
+                else:
+                    outcome.result = result
+        except _StageInputError as exc:
+            outcome.error = (
+                f"ValidationError: invalid input of stage {stage.id!r}: "
+                f"{format_validation_error(exc.error)}"
+            )
+            outcome.retryable = False
+        except Exception as exc:
+            outcome.error = error_text(exc)
+            outcome.retryable = False if isinstance(exc, ValidationError) else None
+        if ctx is not None:
+            outcome.progress = list(ctx.progress_events)
+            outcome.annotations = list(ctx.annotations)
+        return outcome
+
+
+class _StageInputError(Exception):
+    def __init__(self, error: ValidationError) -> None:
+        super().__init__(str(error))
+        self.error = error

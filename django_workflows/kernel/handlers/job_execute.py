@@ -1,0 +1,249 @@
+"""``job.execute`` (SPEC §4.6, K-JE-1..19; Part I items 1, 6, 7, 9).
+
+Pre-flight (no transaction): resolve workflow, stage and run (errors raise, K-JE-1); a run that
+is not RUNNING is a ghost (K-JE-3); a COMPLETED record returns its stored output without running
+the stage again (K-JE-5).
+
+Phase 1 (one transaction, RUNNING guard): the stage record becomes RUNNING with
+``started_at``; the previous attempt's error, suspension and progress fields are cleared
+(Part I item 9); ``stage:started`` is appended. Committed, so other readers see it.
+
+Phase 2 (no transaction): resolve the input from the previous group (WF-40/41) and run the stage
+through the executor with the outputs of earlier groups as its context (Part I item 7).
+
+Phase 3 (one transaction, RUNNING guard = row lock on the run, Part I item 1): write the outcome
+(COMPLETED with the output blob / SUSPENDED / FAILED), the buffered annotations and the events
+(progress, then the outcome event, then ``annotation:created``). If the run left RUNNING the
+transaction rolls back everything and the result is a ghost failure. ``job.execute`` never
+touches the job queue or the run status (K-JE-19).
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from django.db import transaction
+
+from ...blobs import artifact_key, output_key
+from ...definition.workflow import StageNode, Workflow
+from ...models import Status, WorkflowRun, WorkflowStage
+from .. import events as ev
+from ..commands import ExecuteJob, ExecuteJobResult
+from ..errors import RunNotFoundError, RunNotRunningError, StageNotFoundError, WorkflowNotFoundError
+from ..executor import ExecutionInput, ExecutionOutcome
+from ..locking import parse_run_id, require_running
+from ..outbox import append_events, new_causation_id
+from ..services import KernelStageServices
+from ..store import (
+    group_output,
+    load_outputs,
+    stages_of,
+    update_stage,
+    write_annotations,
+    write_log,
+)
+
+if TYPE_CHECKING:
+    from ..dispatch import Kernel
+
+
+def _ghost(exc: RunNotRunningError, after: bool = False) -> ExecuteJobResult:
+    if after:
+        error = (
+            f"Workflow run {exc.run_id} was {exc.status} after stage execution; "
+            "the result was discarded (expected RUNNING)"
+        )
+    else:
+        error = str(exc)
+    return ExecuteJobResult("failed", error=error, ghost=True, retryable=False)
+
+
+def _ms(start: datetime, end: datetime) -> int:
+    return int((end - start).total_seconds() * 1000)
+
+
+def handle(kernel: Kernel, cmd: ExecuteJob) -> ExecuteJobResult:
+    workflow = kernel.registry.get(cmd.workflow_id)
+    if workflow is None:
+        raise WorkflowNotFoundError(cmd.workflow_id)
+    if not workflow.has_stage(cmd.stage_id):
+        raise StageNotFoundError(workflow.id, cmd.stage_id, workflow.stage_ids)
+    node = workflow.node(cmd.stage_id)
+    run_id = parse_run_id(cmd.workflow_run_id)
+    run = WorkflowRun.objects.filter(pk=run_id).first()
+    if run is None:
+        raise RunNotFoundError(run_id)
+    start = kernel.clock.now()
+    causation = cmd.idempotency_key or new_causation_id()
+    if run.status != Status.RUNNING:
+        return _ghost(RunNotRunningError(run_id, run.status))
+
+    records = stages_of(run_id)
+    record = next((r for r in records if r.stage_id == node.stage.id), None)
+    if record is not None and record.status == Status.COMPLETED:
+        return ExecuteJobResult("completed", output=load_outputs(kernel.blobs, [record]).get(
+            node.stage.id))
+    earlier = [
+        r for r in records
+        if r.execution_group < node.execution_group and r.status == Status.COMPLETED
+    ]
+    raw_outputs = load_outputs(kernel.blobs, earlier)
+    resume_state = record.suspended_state if record is not None else None
+
+    # Phase 1
+    try:
+        with transaction.atomic():
+            require_running(run_id)
+            record = _start_stage(run, node, record, cmd.config, start)
+            append_events(
+                [ev.event(ev.STAGE_STARTED, run_id, start, stage_id=node.stage.id,
+                          stage_name=node.stage.name, stage_number=node.stage_number)],
+                causation, start,
+            )
+    except RunNotRunningError as exc:
+        return _ghost(exc)
+
+    # Phase 2
+    services = KernelStageServices(
+        clock=kernel.clock, blobs=kernel.blobs, workflow_type=run.workflow_type, run_id=run_id,
+        stage_id=node.stage.id, stage_pk=record.pk,
+    )
+    outcome = _execute(kernel, workflow, node, run, record, cmd, raw_outputs, resume_state,
+                       services, start)
+    for warning in outcome.warnings:
+        write_log(kernel.clock.now(), "WARN", warning, run_id=run_id, stage_pk=record.pk,
+                  metadata={"stage_id": node.stage.id})
+
+    # Phase 3
+    try:
+        with transaction.atomic():
+            run = require_running(run_id)
+            now = kernel.clock.now()
+            events = list(_progress_events(run_id, outcome, now))
+            if outcome.error is not None:
+                result = _fail(node, record, outcome, start, now, events)
+            elif outcome.suspend is not None:
+                result = _suspend(node, record, outcome, now, events)
+            else:
+                result = _complete(kernel, run, node, record, outcome, start, now, events)
+            events += write_annotations(
+                run_id, outcome.annotations, now=now, scope="stage", scope_id=node.stage.id,
+                stage_pk=record.pk, attempt=record.attempt,
+            )
+            append_events(events, causation, now)
+    except RunNotRunningError as exc:
+        return _ghost(exc, after=True)
+    if result.outcome == "failed":
+        write_log(kernel.clock.now(), "ERROR", f"Stage {node.stage.id} failed: {result.error}",
+                  run_id=run_id, stage_pk=record.pk)
+    return result
+
+
+def _start_stage(
+    run: WorkflowRun, node: StageNode, record: WorkflowStage | None,
+    config: dict[str, Any], now: datetime,
+) -> WorkflowStage:
+    """Upsert the record to RUNNING (K-JE-6), clearing the previous attempt (Part I item 9)."""
+    fields: dict[str, Any] = dict(
+        status=Status.RUNNING, started_at=now, completed_at=None, duration_ms=None,
+        error_message=None, suspended_state=None, next_poll_at=None, poll_interval_ms=None,
+        max_wait_until=None, progress=None, progress_message="",
+    )
+    if record is not None and update_stage(record.pk, now, **fields):
+        for name, value in fields.items():
+            setattr(record, name, value)
+        return record
+    return WorkflowStage.objects.create(
+        created_at=now, updated_at=now, run=run, stage_id=node.stage.id,
+        stage_name=node.stage.name, stage_number=node.stage_number,
+        execution_group=node.execution_group, config=(config or {}).get(node.stage.id) or {},
+        **fields,
+    )
+
+
+def _execute(
+    kernel: Kernel, workflow: Workflow, node: StageNode, run: WorkflowRun, record: WorkflowStage,
+    cmd: ExecuteJob, raw_outputs: dict[str, Any], resume_state: Any,
+    services: KernelStageServices, start: datetime,
+) -> ExecutionOutcome:
+    group = node.execution_group
+    if group == 1:
+        present, raw_input = True, run.input
+    else:
+        present, raw_input = group_output(workflow, group - 1, raw_outputs)
+    if not present:
+        return ExecutionOutcome(
+            error=f"Stage {node.stage.id!r} is missing the output of execution group {group - 1}",
+        )
+    context = {}
+    for stage_id, data in raw_outputs.items():
+        producer = workflow.get_stage(stage_id)
+        context[stage_id] = producer.load_output(data) if producer else data
+    return kernel.executor.run(
+        ExecutionInput(
+            workflow=workflow, stage=node.stage, workflow_run_id=str(run.pk),
+            stage_record_id=str(record.pk), stage_number=node.stage_number,
+            attempt=record.attempt, raw_input=raw_input, config=cmd.config or run.config or {},
+            resume_state=resume_state, workflow_context=context, services=services, now=start,
+        )
+    )
+
+
+def _progress_events(run_id: uuid.UUID, outcome: ExecutionOutcome, now: datetime):  # type: ignore[no-untyped-def]
+    for item in outcome.progress:
+        yield ev.event(ev.STAGE_PROGRESS, run_id, now, **item)
+
+
+def _metrics(start: datetime, now: datetime, custom: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "start_time": start.isoformat(), "end_time": now.isoformat(),
+        "duration_ms": _ms(start, now), **(custom or {}),
+    }
+
+
+def _fail(node: StageNode, record: WorkflowStage, outcome: ExecutionOutcome, start: datetime,
+          now: datetime, events: list[dict[str, Any]]) -> ExecuteJobResult:
+    update_stage(record.pk, now, status=Status.FAILED, completed_at=now,
+                 duration_ms=_ms(start, now), error_message=outcome.error)
+    events.append(ev.event(ev.STAGE_FAILED, record.run_id, now, stage_id=node.stage.id,
+                           stage_name=node.stage.name, error=outcome.error))
+    return ExecuteJobResult("failed", error=outcome.error, retryable=outcome.retryable)
+
+
+def _suspend(node: StageNode, record: WorkflowStage, outcome: ExecutionOutcome, now: datetime,
+             events: list[dict[str, Any]]) -> ExecuteJobResult:
+    s = outcome.suspend
+    assert s is not None
+    update_stage(record.pk, now, status=Status.SUSPENDED, suspended_state=s.state,
+                 next_poll_at=s.next_poll_at, poll_interval_ms=s.poll_interval_ms,
+                 max_wait_until=s.max_wait_until, metrics=s.metrics)
+    events.append(ev.event(ev.STAGE_SUSPENDED, record.run_id, now, stage_id=node.stage.id,
+                           stage_name=node.stage.name, next_poll_at=s.next_poll_at.isoformat()))
+    events.append(ev.event(ev.WORKFLOW_SUSPENDED, record.run_id, now, stage_id=node.stage.id))
+    return ExecuteJobResult("suspended", next_poll_at=s.next_poll_at)
+
+
+def _complete(kernel: Kernel, run: WorkflowRun, node: StageNode, record: WorkflowStage,
+              outcome: ExecutionOutcome, start: datetime, now: datetime,
+              events: list[dict[str, Any]]) -> ExecuteJobResult:
+    result = outcome.result
+    assert result is not None
+    sid = node.stage.id
+    key = output_key(run.workflow_type, str(run.pk), sid)
+    blobs: list[tuple[str, Any]] = [(key, outcome.output)]
+    output_data: dict[str, Any] = {"_artifactKey": key}
+    if result.artifacts:
+        keys = {name: artifact_key(run.workflow_type, str(run.pk), sid, name)
+                for name in result.artifacts}
+        blobs += [(keys[name], value) for name, value in result.artifacts.items()]
+        output_data["_artifactKeys"] = keys
+    kernel.blobs.put_many(blobs, run_id=str(run.pk), stage_id=sid)
+    duration = _ms(start, now)
+    update_stage(record.pk, now, status=Status.COMPLETED, completed_at=now, duration_ms=duration,
+                 output_data=output_data, metrics=_metrics(start, now, result.metrics),
+                 embedding_info=result.embeddings, progress=100.0)
+    events.append(ev.event(ev.STAGE_COMPLETED, run.pk, now, stage_id=sid,
+                           stage_name=node.stage.name, duration_ms=duration))
+    return ExecuteJobResult("completed", output=outcome.output)

@@ -1,0 +1,21 @@
+"""``plugin.replayDLQ`` (SPEC §4.11, EV-32): re-arm dead-lettered outbox events."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...models import OutboxEvent
+from ..commands import ReplayDeadLetters, ReplayDeadLettersResult
+
+if TYPE_CHECKING:
+    from ..dispatch import Kernel
+
+
+def handle(kernel: Kernel, cmd: ReplayDeadLetters) -> ReplayDeadLettersResult:
+    ids = list(
+        OutboxEvent.objects.filter(dlq_at__isnull=False, published_at__isnull=True)
+        .order_by("workflow_run_id", "sequence")
+        .values_list("pk", flat=True)[: max(0, cmd.max_events)]
+    )
+    replayed = OutboxEvent.objects.filter(pk__in=ids).update(dlq_at=None, retry_count=0)
+    return ReplayDeadLettersResult(replayed)

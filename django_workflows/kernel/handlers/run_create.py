@@ -1,0 +1,89 @@
+"""``run.create`` (SPEC §4.1, K-CR-1..8).
+
+One transaction: validate (workflow, input, config, priority, annotations), insert the PENDING
+run and its run-scope annotations, append ``workflow:created`` (+ opted-in
+``annotation:created``). Any validation error names the field and writes nothing. After commit
+the transport is asked to claim the run soon.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from django.db import transaction
+
+from ...definition.context import AnnotationInput
+from ...models import Status, WorkflowRun
+from .. import events as ev
+from ..commands import CreateRun, CreateRunResult
+from ..errors import (
+    InvalidCommandError,
+    InvalidWorkflowConfigError,
+    InvalidWorkflowInputError,
+    WorkflowNotFoundError,
+)
+from ..store import write_annotations
+from .base import HandlerOutput
+
+if TYPE_CHECKING:
+    from ..dispatch import Kernel
+
+
+def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
+    workflow = kernel.registry.get(cmd.workflow_id)
+    if workflow is None:
+        raise WorkflowNotFoundError(cmd.workflow_id)
+    if not isinstance(cmd.input, dict):
+        raise InvalidWorkflowInputError(
+            f"Invalid workflow input: expected a JSON object, got {type(cmd.input).__name__}",
+            field="input",
+        )
+    error = workflow.input_errors(cmd.input)
+    if error:
+        raise InvalidWorkflowInputError(f"Invalid workflow input: {error}", field="input")
+    if cmd.config is not None and not isinstance(cmd.config, dict):
+        raise InvalidWorkflowConfigError(
+            "Invalid workflow config: expected an object keyed by stage id", field="config"
+        )
+    unknown = sorted(set(cmd.config or {}) - set(workflow.stage_ids))
+    if unknown:
+        raise InvalidWorkflowConfigError(
+            f"Invalid workflow config: unknown stage ids {', '.join(unknown)}; "
+            f"valid stage ids: {', '.join(workflow.stage_ids)}",
+            field="config",
+        )
+    config = workflow.merge_config(cmd.config)
+    errors = workflow.validate_config(config)
+    if errors:
+        details = "; ".join(f"{sid}: {msg}" for sid, msg in errors)
+        raise InvalidWorkflowConfigError(f"Invalid workflow config: {details}", field="config")
+    if isinstance(cmd.priority, bool) or not isinstance(cmd.priority, int):
+        raise InvalidCommandError(
+            f"priority: expected an integer, got {cmd.priority!r}", field="priority"
+        )
+    if cmd.metadata is not None and not isinstance(cmd.metadata, dict):
+        raise InvalidCommandError("metadata: expected a JSON object", field="metadata")
+
+    now = kernel.clock.now()
+    run = WorkflowRun.objects.create(
+        created_at=now,
+        updated_at=now,
+        workflow_id=workflow.id,
+        workflow_name=workflow.name,
+        workflow_type=workflow.id,
+        status=Status.PENDING,
+        input=cmd.input,
+        config=config,
+        priority=cmd.priority,
+        metadata=cmd.metadata,
+    )
+    inputs = [
+        AnnotationInput(k, v, spec.actor, spec.payload, spec.idempotency_key, spec.emit_event)
+        for spec in cmd.annotations
+        for k, v in spec.attributes.items()
+        if v is not None
+    ]
+    events = [ev.event(ev.WORKFLOW_CREATED, run.pk, now, workflow_id=workflow.id)]
+    events += write_annotations(run.pk, inputs, now=now)
+    transaction.on_commit(kernel.transport.wake_claimer)
+    return HandlerOutput(CreateRunResult(str(run.pk), Status.PENDING), events)

@@ -1,0 +1,101 @@
+"""``run.reapStuck`` (SPEC §4.9, K-RS-1..5; Part I item 4).
+
+A RUNNING run is a candidate when neither it nor any of its stage records changed since
+``now - threshold``. A run is **not** stuck while something will still advance it:
+
+* a RUNNING job with a fresh lease (heartbeats keep it fresh, EC-22);
+* a SUSPENDED stage whose next poll or deadline is still ahead (EC-23);
+* a PENDING job waiting in the queue (EC-24).
+
+For each candidate (row-locked, re-checked RUNNING): PENDING stage records that have no PENDING
+or RUNNING job get a fresh job (recovery sweep, K-RS-3) and the run is left alone; otherwise the
+run is FAILED with ``STUCK_RUN_REAPED`` and ``workflow:failed`` (K-RS-4). Stage and job rows are
+not touched by the failing branch (K-RS-5).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.db.models import Exists, OuterRef, Q
+
+from ...conf import workflow_settings
+from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
+from .. import events as ev
+from ..commands import ReapStuckRuns, ReapStuckRunsResult
+from ..locking import lock_run
+from ..store import stages_of, update_run
+from .base import HandlerOutput, enqueue_stage_jobs
+
+if TYPE_CHECKING:
+    from ..dispatch import Kernel
+
+
+
+def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
+    now = kernel.clock.now()
+    since = now - timedelta(seconds=cmd.stuck_threshold_seconds)
+    lease_fresh_after = now - timedelta(seconds=float(workflow_settings.STALE_LEASE_SECONDS))
+    run_ref = OuterRef("pk")
+    candidates = list(
+        WorkflowRun.objects.filter(status=Status.RUNNING, updated_at__lte=since)
+        .exclude(Exists(WorkflowStage.objects.filter(run=run_ref, updated_at__gt=since)))
+        .exclude(
+            Exists(
+                WorkflowJob.objects.filter(workflow_run_id=run_ref).filter(
+                    Q(status=Status.PENDING)
+                    | Q(status=Status.RUNNING, locked_at__gte=lease_fresh_after)
+                )
+            )
+        )
+        .exclude(
+            Exists(
+                WorkflowStage.objects.filter(run=run_ref, status=Status.SUSPENDED).filter(
+                    Q(next_poll_at__gt=now) | Q(max_wait_until__gt=now)
+                )
+            )
+        )
+        .order_by("updated_at")
+        .values_list("pk", flat=True)
+    )
+    events: list[dict[str, Any]] = []
+    failed = recovered = 0
+    threshold = cmd.stuck_threshold_seconds
+    for run_id in candidates:
+        run = lock_run(run_id)
+        if run is None or run.status != Status.RUNNING:
+            continue
+        records = stages_of(run_id)
+        pending = [r for r in records if r.status == Status.PENDING]
+        if pending:
+            queued = set(
+                WorkflowJob.objects.filter(
+                    workflow_run_id=run_id, status__in=[Status.PENDING, Status.RUNNING]
+                ).values_list("stage_id", flat=True)
+            )
+            orphans = [r for r in pending if r.stage_id not in queued]
+            if orphans:
+                enqueue_stage_jobs(kernel.queue, run, orphans)
+                update_run(run_id, now)
+                recovered += 1
+                continue
+        message = (
+            f"Run reaped as stuck: no progress for {threshold:g} seconds "
+            f"(stuck threshold {threshold:g} s)"
+        )
+        update_run(
+            run_id, now, status=Status.FAILED, completed_at=now,
+            output={
+                "error": {
+                    "code": "STUCK_RUN_REAPED",
+                    "message": message,
+                    "stage_statuses": [
+                        {"stage_id": r.stage_id, "status": r.status} for r in records
+                    ],
+                }
+            },
+        )
+        events.append(ev.event(ev.WORKFLOW_FAILED, run_id, now, error=message))
+        failed += 1
+    return HandlerOutput(ReapStuckRunsResult(failed, failed, recovered), events)

@@ -1,0 +1,70 @@
+"""``run.rerunFrom`` (SPEC §4.5, K-RR-1..7; Part I items 8 and 10).
+
+Refuses (nothing changed) unless the run is COMPLETED or FAILED, the workflow is registered, the
+stage exists, and every earlier execution group is COMPLETED (Part I item 10, naming the stage
+that is not). Then, in one transaction: delete the records of the target group and later groups
+(their annotations survive with the stage link nulled, AN-13), delete what those stages stored in
+the blob store, reset the run to RUNNING, create PENDING records of the target group with
+``attempt = previous max + 1``, enqueue their jobs, and append ``workflow:started``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...models import Status, WorkflowStage
+from .. import events as ev
+from ..commands import RerunFrom, RerunFromResult
+from ..errors import RunNotFoundError, RunStateError, StageNotFoundError, WorkflowNotFoundError
+from ..locking import lock_run, parse_run_id
+from ..store import create_missing_stages, stages_of, update_run
+from .base import HandlerOutput, enqueue_stage_jobs
+
+if TYPE_CHECKING:
+    from ..dispatch import Kernel
+
+
+def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
+    run_id = parse_run_id(cmd.workflow_run_id)
+    run = lock_run(run_id)
+    if run is None:
+        raise RunNotFoundError(run_id)
+    if run.status not in (Status.COMPLETED, Status.FAILED):
+        raise RunStateError(
+            f"Cannot rerun workflow run {run_id} in {run.status} state. "
+            "Must be COMPLETED or FAILED"
+        )
+    workflow = kernel.registry.get(run.workflow_id)
+    if workflow is None:
+        raise WorkflowNotFoundError(run.workflow_id)
+    if not workflow.has_stage(cmd.from_stage_id):
+        raise StageNotFoundError(workflow.id, cmd.from_stage_id, workflow.stage_ids)
+    target = workflow.node(cmd.from_stage_id).execution_group
+    records = stages_of(run_id)
+    by_id = {r.stage_id: r for r in records}
+    for group in range(1, target):
+        for node in workflow.stages_in_group(group):
+            rec = by_id.get(node.stage.id)
+            if rec is None or rec.status != Status.COMPLETED:
+                state = rec.status if rec else "never executed"
+                raise RunStateError(
+                    f"Cannot rerun from {cmd.from_stage_id!r}: previous stages have not been "
+                    f"executed successfully (stage {node.stage.id!r} in group {group} is {state})"
+                )
+    deleted = [r for r in records if r.execution_group >= target]
+    attempt = max((r.attempt for r in deleted), default=0) + 1
+    now = kernel.clock.now()
+    deleted_ids = [r.stage_id for r in deleted]
+    kernel.blobs.delete_stage_blobs(str(run_id), deleted_ids)
+    WorkflowStage.objects.filter(pk__in=[r.pk for r in deleted]).delete()
+    update_run(
+        run_id, now, status=Status.RUNNING, started_at=now, completed_at=None, duration_ms=None,
+        output=None, total_cost=0, total_tokens=0,
+    )
+    run.status = Status.RUNNING
+    new = create_missing_stages(run, workflow.stages_in_group(target), attempt=attempt, now=now)
+    enqueue_stage_jobs(kernel.queue, run, new)
+    return HandlerOutput(
+        RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids),
+        [ev.event(ev.WORKFLOW_STARTED, run_id, now)],
+    )

@@ -1,0 +1,240 @@
+"""``stage.pollSuspended`` (SPEC §4.7, K-PS-1..9; Part I items 1, 9, 11).
+
+For each due SUSPENDED stage (``next_poll_at <= now``, at most ``max_checks``):
+
+* run missing -> skipped; run not RUNNING -> the stage is CANCELLED without calling
+  ``check_completion`` (Part I item 11);
+* workflow, stage or ``check_completion`` missing -> stage and run FAILED together (item 11);
+* otherwise ``check_completion(state, ctx)`` runs outside any transaction, and its outcome is
+  written in one transaction that locks the run row and re-checks RUNNING and that the stage is
+  still the SUSPENDED record we read (two pollers cannot both apply an outcome):
+  error (or exception) -> stage and run FAILED; ready -> stage COMPLETED with the validated
+  output (raw value + WARN log when it does not validate) and its job row COMPLETED; past
+  ``max_wait_until`` -> stage and run FAILED; otherwise rescheduled.
+
+Buffered annotations are written in the same transaction, or dropped with it (AN-6).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.db import transaction
+from django.db.models import F
+from pydantic import ValidationError
+
+from ...blobs import output_key
+from ...conf import workflow_settings
+from ...definition.context import CompletionContext
+from ...definition.results import UNSET, CompletionCheck
+from ...definition.stage import format_validation_error, to_json_value
+from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
+from .. import events as ev
+from ..commands import PollSuspendedStages, PollSuspendedStagesResult
+from ..errors import RunNotRunningError
+from ..executor import error_text
+from ..locking import require_running
+from ..outbox import append_events, new_causation_id
+from ..services import KernelStageServices
+from ..store import update_run, write_annotations, write_log
+
+if TYPE_CHECKING:
+    from ..dispatch import Kernel
+
+
+class _Stale(Exception):
+    """The stage was handled by someone else since we read it."""
+
+
+def _ms(start: datetime | None, end: datetime) -> int | None:
+    return int((end - start).total_seconds() * 1000) if start else None
+
+
+def handle(kernel: Kernel, cmd: PollSuspendedStages) -> PollSuspendedStagesResult:
+    now = kernel.clock.now()
+    due = list(
+        WorkflowStage.objects.filter(status=Status.SUSPENDED, next_poll_at__lte=now)
+        .select_related("run")
+        .order_by("next_poll_at")[: max(0, cmd.max_checks)]
+    )
+    result = PollSuspendedStagesResult()
+    for record in due:
+        result.checked += 1
+        outcome = _poll_one(kernel, record)
+        if outcome == "resumed":
+            result.resumed += 1
+            if str(record.run_id) not in result.resumed_workflow_run_ids:
+                result.resumed_workflow_run_ids.append(str(record.run_id))
+        elif outcome == "failed":
+            result.failed += 1
+    return result
+
+
+def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
+    run: WorkflowRun = record.run
+    if run.status != Status.RUNNING:
+        _cancel_stage(kernel, record)
+        return "cancelled"
+    workflow = kernel.registry.get(run.workflow_id)
+    stage = workflow.get_stage(record.stage_id) if workflow else None
+    if stage is None or stage.check_completion is None:
+        if workflow is None:
+            reason = f"Workflow {run.workflow_id!r} not found in registry"
+        elif stage is None:
+            reason = f"Stage {record.stage_id!r} not found in workflow {workflow.id!r}"
+        else:
+            reason = f"Stage {record.stage_id!r} has no check_completion (not async-batch)"
+        return _write(kernel, record, lambda now, events: _fail_both(record, reason, now, events))
+
+    services = KernelStageServices(
+        clock=kernel.clock, blobs=kernel.blobs, workflow_type=run.workflow_type,
+        run_id=run.pk, stage_id=record.stage_id, stage_pk=record.pk,
+    )
+    config_raw = record.config or {}
+    try:
+        config: Any = stage.parse_config(config_raw)
+    except ValidationError:
+        config = stage.config_model.model_construct(**config_raw)
+    ctx = CompletionContext(
+        workflow_run_id=str(run.pk), workflow_id=run.workflow_id, stage_id=record.stage_id,
+        stage_record_id=str(record.pk), attempt=record.attempt, services=services, config=config,
+    )
+    try:
+        check = stage.check_completion(record.suspended_state or {}, ctx)
+        if not isinstance(check, CompletionCheck):
+            raise TypeError(
+                f"check_completion of stage {stage.id!r} must return CompletionCheck, "
+                f"got {type(check).__name__}"
+            )
+    except Exception as exc:
+        check = CompletionCheck(ready=False, error=error_text(exc))
+
+    annotations = ctx.annotations
+
+    def apply(now: datetime, events: list[dict[str, Any]]) -> str:
+        if check.error:
+            outcome = _fail_both(record, check.error, now, events)
+        elif check.ready:
+            outcome = _resume(kernel, run, stage, record, check, now, events)
+        elif record.max_wait_until is not None and record.max_wait_until <= now:
+            outcome = _fail_both(
+                record,
+                f"Stage {record.stage_id!r} did not complete before its maxWaitUntil "
+                f"({record.max_wait_until.isoformat()})",
+                now, events,
+            )
+        else:
+            delay_s = check.next_check_in_seconds
+            if delay_s is None:
+                delay_s = (record.poll_interval_ms / 1000 if record.poll_interval_ms
+                           else float(workflow_settings.SUSPEND_FALLBACK_SECONDS))
+            _update_suspended(record, now, next_poll_at=now + timedelta(seconds=delay_s))
+            outcome = "rescheduled"
+        events += write_annotations(
+            run.pk, annotations, now=now, scope="stage", scope_id=record.stage_id,
+            stage_pk=record.pk, attempt=record.attempt,
+        )
+        return outcome
+
+    return _write(kernel, record, apply)
+
+
+def _write(kernel: Kernel, record: WorkflowStage, apply: Any) -> str:
+    """Run ``apply`` in the claimed-run transaction (K-PS-5) with the RUNNING guard."""
+    try:
+        with transaction.atomic():
+            require_running(record.run_id)
+            now = kernel.clock.now()
+            events: list[dict[str, Any]] = []
+            outcome = apply(now, events)
+            update_run(record.run_id, now)
+            append_events(events, new_causation_id(), now)
+            return str(outcome)
+    except RunNotRunningError:
+        _cancel_stage(kernel, record)
+        return "cancelled"
+    except _Stale:
+        return "stale"
+    except Exception as exc:  # K-PS-7: a failing branch is handled as an error outcome
+        message = error_text(exc)
+        with transaction.atomic():
+            try:
+                require_running(record.run_id)
+            except RunNotRunningError:
+                return "cancelled"
+            now = kernel.clock.now()
+            events = []
+            outcome = _fail_both(record, message, now, events)
+            append_events(events, new_causation_id(), now)
+            return outcome
+
+
+def _update_suspended(record: WorkflowStage, now: datetime, **fields: Any) -> None:
+    """Conditional update: only the SUSPENDED record at the version we read (else stale)."""
+    updated = WorkflowStage.objects.filter(
+        pk=record.pk, status=Status.SUSPENDED, version=record.version
+    ).update(version=F("version") + 1, updated_at=now, **fields)
+    if not updated:
+        raise _Stale()
+
+
+def _fail_both(record: WorkflowStage, error: str, now: datetime,
+               events: list[dict[str, Any]]) -> str:
+    """Stage FAILED + run FAILED in one transaction (K-PS-6.1); its job FAILED (Part I item 9)."""
+    _update_suspended(record, now, status=Status.FAILED, completed_at=now, error_message=error,
+                      next_poll_at=None, duration_ms=_ms(record.started_at, now))
+    run = record.run
+    update_run(run.pk, now, status=Status.FAILED, completed_at=now,
+               duration_ms=_ms(run.started_at, now))
+    WorkflowJob.objects.filter(
+        workflow_run_id=run.pk, stage_id=record.stage_id, status=Status.SUSPENDED
+    ).update(status=Status.FAILED, completed_at=now, updated_at=now, last_error=error)
+    events.append(ev.event(ev.STAGE_FAILED, run.pk, now, stage_id=record.stage_id,
+                           stage_name=record.stage_name, error=error))
+    events.append(ev.event(ev.WORKFLOW_FAILED, run.pk, now, error=error))
+    return "failed"
+
+
+def _resume(kernel: Kernel, run: WorkflowRun, stage: Any, record: WorkflowStage,
+            check: CompletionCheck, now: datetime, events: list[dict[str, Any]]) -> str:
+    """Stage COMPLETED from a ready check (K-PS-6.2); its SUSPENDED job COMPLETED (SM-26)."""
+    fields: dict[str, Any] = dict(
+        status=Status.COMPLETED, completed_at=now, next_poll_at=None, progress=100.0,
+        duration_ms=_ms(record.started_at, now),
+    )
+    if check.output is not UNSET:
+        try:
+            output = stage.parse_output(check.output)
+        except ValidationError as exc:
+            output = to_json_value(check.output)
+            write_log(now, "WARN",
+                      f"Stage {record.stage_id!r}: completion output failed validation, "
+                      f"stored as returned: {format_validation_error(exc)}",
+                      run_id=run.pk, stage_pk=record.pk)
+        key = output_key(run.workflow_type, str(run.pk), record.stage_id)
+        kernel.blobs.put(key, output, run_id=str(run.pk), stage_id=record.stage_id)
+        fields["output_data"] = {"_artifactKey": key}
+    if check.metrics is not None:
+        fields["metrics"] = {**(record.metrics or {}), **check.metrics}
+    if check.embeddings is not None:
+        fields["embedding_info"] = check.embeddings
+    _update_suspended(record, now, **fields)
+    WorkflowJob.objects.filter(
+        workflow_run_id=run.pk, stage_id=record.stage_id, status=Status.SUSPENDED
+    ).update(status=Status.COMPLETED, completed_at=now, updated_at=now)
+    events.append(ev.event(ev.STAGE_COMPLETED, run.pk, now, stage_id=record.stage_id,
+                           stage_name=record.stage_name, duration_ms=fields["duration_ms"]))
+    return "resumed"
+
+
+def _cancel_stage(kernel: Kernel, record: WorkflowStage) -> None:
+    """A suspended stage of a run that is no longer RUNNING is CANCELLED (K-PS-2/5). No event."""
+    now = kernel.clock.now()
+    WorkflowStage.objects.filter(pk=record.pk, status=Status.SUSPENDED).update(
+        status=Status.CANCELLED, completed_at=now, next_poll_at=None, updated_at=now,
+        version=F("version") + 1,
+    )
+    WorkflowJob.objects.filter(
+        workflow_run_id=record.run_id, stage_id=record.stage_id, status=Status.SUSPENDED
+    ).update(status=Status.CANCELLED, completed_at=now, updated_at=now)

@@ -1,0 +1,74 @@
+"""Row locks: the only module that uses ``select_for_update`` (ARCHITECTURE §3).
+
+On PostgreSQL these are real row locks (``FOR UPDATE``, ``SKIP LOCKED`` for claims). On SQLite
+Django ignores ``select_for_update``; there the ``IMMEDIATE`` transaction mode takes the database
+write lock at ``BEGIN``, which serialises writers just as strictly.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Q
+
+from ..models import Status, WorkflowJob, WorkflowRun
+from .errors import InvalidCommandError, RunNotRunningError
+
+
+def parse_run_id(value: Any, field: str = "workflow_run_id") -> uuid.UUID:
+    """``value`` as a UUID. Raises :class:`InvalidCommandError` naming ``field``."""
+    if isinstance(value, uuid.UUID):
+        return value
+    try:
+        return uuid.UUID(str(value))
+    except (TypeError, ValueError):
+        raise InvalidCommandError(
+            f"{field}: {value!r} is not a valid run id (expected a UUID)", field=field
+        ) from None
+
+
+def lock_run(run_id: uuid.UUID) -> WorkflowRun | None:
+    """Lock and return the run row, or ``None`` if it does not exist. Needs a transaction."""
+    return WorkflowRun.objects.select_for_update().filter(pk=run_id).first()
+
+
+def require_running(run_id: uuid.UUID) -> WorkflowRun:
+    """The RUNNING guard (Part I item 1, K-JE-15, K-PS-5).
+
+    Locks the run row and returns it if it is RUNNING; a cancel that committed first is seen
+    here, and a cancel that comes later waits for this transaction. Must run inside
+    ``transaction.atomic()``.
+
+    Raises:
+        RunNotRunningError: the run is not RUNNING (status ``DELETED`` when it vanished).
+    """
+    assert transaction.get_connection().in_atomic_block, "require_running needs a transaction"
+    run = lock_run(run_id)
+    if run is None:
+        raise RunNotRunningError(run_id, "DELETED")
+    if run.status != Status.RUNNING:
+        raise RunNotRunningError(run_id, run.status)
+    return run
+
+
+def claim_next_pending_run() -> WorkflowRun | None:
+    """Lock the PENDING run with the highest priority, oldest first (DM-33); skip locked rows."""
+    return (
+        WorkflowRun.objects.select_for_update(skip_locked=True)
+        .filter(status=Status.PENDING)
+        .order_by("-priority", "created_at", "id")
+        .first()
+    )
+
+
+def claim_next_job(now: datetime) -> WorkflowJob | None:
+    """Lock the ready PENDING job with the highest priority, oldest first (DM-41)."""
+    return (
+        WorkflowJob.objects.select_for_update(skip_locked=True)
+        .filter(Q(next_poll_at__isnull=True) | Q(next_poll_at__lte=now), status=Status.PENDING)
+        .order_by("-priority", "created_at", "id")
+        .first()
+    )

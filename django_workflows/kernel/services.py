@@ -1,0 +1,131 @@
+"""The database-facing services behind a stage context: logs, live progress, run-scoped storage
+and cooperative cancellation (WF-17, WF-19, Part I items 8, 14, 15).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from ..blobs import BlobNotFoundError, stage_prefix, storage_key
+from ..models import Status, WorkflowRun, WorkflowStage
+from ..ports import BlobStore, Clock
+from .store import write_log
+
+_LEVELS = {"DEBUG": "DEBUG", "INFO": "INFO", "WARN": "WARN", "WARNING": "WARN", "ERROR": "ERROR"}
+
+
+class StorageKeyNotFoundError(KeyError):
+    """``ctx.storage.load`` of a key this run never saved."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class RunScopedStorage:
+    """``ctx.storage``: JSON values under ``workflow-v2/{type}/{run}/storage/{key}``.
+
+    Keys are scoped to the run (Part I item 8); each blob records the stage that wrote it so a
+    rerun can delete it.
+    """
+
+    def __init__(
+        self, blobs: BlobStore, workflow_type: str, run_id: uuid.UUID, stage_id: str | None
+    ) -> None:
+        self._blobs = blobs
+        self._type = workflow_type
+        self._run_id = str(run_id)
+        self._stage_id = stage_id
+
+    def _key(self, key: str) -> str:
+        if not isinstance(key, str) or not key:
+            raise ValueError("storage key must be a non-empty string")
+        return storage_key(self._type, self._run_id, key)
+
+    def save(self, key: str, data: Any) -> None:
+        """Store a JSON value (replaces an earlier value)."""
+        self._blobs.put(self._key(key), data, run_id=self._run_id, stage_id=self._stage_id)
+
+    def load(self, key: str) -> Any:
+        """The stored value. Raises :class:`StorageKeyNotFoundError` when absent."""
+        try:
+            return self._blobs.get(self._key(key))
+        except BlobNotFoundError:
+            raise StorageKeyNotFoundError(
+                f"Storage key {key!r} not found in run {self._run_id}"
+            ) from None
+
+    def exists(self, key: str) -> bool:
+        return self._blobs.has(self._key(key))
+
+    def delete(self, key: str) -> None:
+        """Remove a value; no error when absent."""
+        self._blobs.delete(self._key(key))
+
+    def stage_key(self, stage_id: str, suffix: str | None = None) -> str:
+        """The blob key of a stage's file (DM-53): ``.../{stage_id}/{suffix or output.json}``."""
+        return stage_prefix(self._type, self._run_id, stage_id) + (suffix or "output.json")
+
+
+class KernelStageServices:
+    """Implements :class:`~django_workflows.definition.context.StageServices` for one stage.
+
+    Progress writes are throttled to one every ``progress_interval_seconds`` (the last value of
+    a burst is written when the stage finishes, with its outcome). Cancellation is read from
+    the run row at most once per ``cancel_check_interval_seconds``.
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        blobs: BlobStore,
+        workflow_type: str,
+        run_id: uuid.UUID,
+        stage_id: str,
+        stage_pk: uuid.UUID | None,
+        progress_interval_seconds: float = 0.2,
+        cancel_check_interval_seconds: float = 1.0,
+    ) -> None:
+        self.clock = clock
+        self.run_id = run_id
+        self.stage_pk = stage_pk
+        self.storage = RunScopedStorage(blobs, workflow_type, run_id, stage_id)
+        self._progress_interval = progress_interval_seconds
+        self._cancel_interval = cancel_check_interval_seconds
+        self._last_progress = float("-inf")
+        self._last_cancel_check = float("-inf")
+        self._cancelled = False
+        self.pending_progress: tuple[float, str] | None = None
+
+    def log(self, level: str, message: str, meta: dict[str, Any] | None) -> None:
+        lvl = _LEVELS.get(level.upper())
+        if lvl is None:
+            raise ValueError(f"log level must be one of DEBUG, INFO, WARN, ERROR; got {level!r}")
+        write_log(self.clock.now(), lvl, message, run_id=self.run_id, stage_pk=self.stage_pk,
+                  metadata=meta)
+
+    def progress(self, progress: float, message: str, details: dict[str, Any] | None) -> None:
+        mono = time.monotonic()
+        if mono - self._last_progress < self._progress_interval and progress < 100:
+            self.pending_progress = (progress, message)
+            return
+        self._last_progress = mono
+        self.pending_progress = None
+        if self.stage_pk is not None:
+            WorkflowStage.objects.filter(pk=self.stage_pk, status=Status.RUNNING).update(
+                progress=progress, progress_message=message[:2000], updated_at=self.clock.now()
+            )
+
+    def is_cancelled(self) -> bool:
+        if self._cancelled:
+            return True
+        mono = time.monotonic()
+        if mono - self._last_cancel_check >= self._cancel_interval:
+            self._last_cancel_check = mono
+            status = (
+                WorkflowRun.objects.filter(pk=self.run_id).values_list("status", flat=True).first()
+            )
+            self._cancelled = status != Status.RUNNING
+        return self._cancelled

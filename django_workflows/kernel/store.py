@@ -1,0 +1,197 @@
+"""Small persistence helpers shared by the handlers: versioned updates, stage upserts, output
+loading, logs and annotation writes. Handlers read as logic; the queries live here.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from django.db.models import F
+
+from ..blobs import output_key
+from ..definition.context import AnnotationInput
+from ..definition.workflow import StageNode, Workflow
+from ..models import (
+    Status,
+    WorkflowAnnotation,
+    WorkflowLog,
+    WorkflowRun,
+    WorkflowStage,
+)
+from ..ports import BlobStore
+from . import events as ev
+
+logger = logging.getLogger("django_workflows")
+
+
+def update_run(run_id: uuid.UUID, now: datetime, **fields: Any) -> int:
+    """Update a run, bumping ``version`` and ``updated_at`` (DM-5, DM-8)."""
+    return WorkflowRun.objects.filter(pk=run_id).update(
+        version=F("version") + 1, updated_at=now, **fields
+    )
+
+
+def update_stage(stage_pk: uuid.UUID, now: datetime, **fields: Any) -> int:
+    """Update a stage record, bumping ``version`` and ``updated_at`` (DM-5, DM-8)."""
+    return WorkflowStage.objects.filter(pk=stage_pk).update(
+        version=F("version") + 1, updated_at=now, **fields
+    )
+
+
+def stages_of(run_id: uuid.UUID) -> list[WorkflowStage]:
+    """The run's stage records ordered by group then stage number (DM-32)."""
+    return list(
+        WorkflowStage.objects.filter(run_id=run_id).order_by("execution_group", "stage_number")
+    )
+
+
+def create_missing_stages(
+    run: WorkflowRun, nodes: Sequence[StageNode], *, attempt: int, now: datetime
+) -> list[WorkflowStage]:
+    """Upsert PENDING records for ``nodes`` (K-CP-4, K-TR-3/6): existing records are kept as
+    they are (EC-3). Returns the records of ``nodes``, existing or new, in node order.
+    """
+    existing = {
+        s.stage_id: s
+        for s in WorkflowStage.objects.filter(
+            run_id=run.pk, stage_id__in=[n.stage.id for n in nodes]
+        )
+    }
+    config = run.config or {}
+    new = [
+        WorkflowStage(
+            created_at=now,
+            updated_at=now,
+            run_id=run.pk,
+            stage_id=n.stage.id,
+            stage_name=n.stage.name,
+            stage_number=n.stage_number,
+            execution_group=n.execution_group,
+            attempt=attempt,
+            status=Status.PENDING,
+            config=config.get(n.stage.id) or {},
+        )
+        for n in nodes
+        if n.stage.id not in existing
+    ]
+    WorkflowStage.objects.bulk_create(new)
+    existing.update({s.stage_id: s for s in new})
+    return [existing[n.stage.id] for n in nodes]
+
+
+def load_outputs(
+    blobs: BlobStore, records: Iterable[WorkflowStage]
+) -> dict[str, Any]:
+    """``{stage_id: output}`` for COMPLETED records, read from the blob store in one call
+    (WF-14). A record whose ``output_data`` has no ``_artifactKey`` contributes that object.
+
+    Raises:
+        KeyError: a referenced output blob is missing (K-JE-4).
+    """
+    keys: dict[str, str] = {}
+    out: dict[str, Any] = {}
+    for rec in records:
+        if rec.status != Status.COMPLETED:
+            continue
+        data = rec.output_data
+        if isinstance(data, dict) and "_artifactKey" in data:
+            keys[rec.stage_id] = data["_artifactKey"]
+        elif data is not None:
+            out[rec.stage_id] = data
+    found = blobs.get_many(keys.values())
+    for stage_id, key in keys.items():
+        if key not in found:
+            from ..blobs import BlobNotFoundError
+
+            raise BlobNotFoundError(key)
+        out[stage_id] = found[key]
+    return out
+
+
+def group_output(workflow: Workflow, group: int, outputs: dict[str, Any]) -> tuple[bool, Any]:
+    """The output of execution group ``group`` (WF-40): ``(present, value)``.
+
+    A single-stage group yields that stage's output; a parallel group ``{stage_id: output}``
+    of the siblings whose output is present (always present, possibly ``{}``).
+    """
+    nodes = workflow.stages_in_group(group)
+    if len(nodes) == 1:
+        sid = nodes[0].stage.id
+        return (sid in outputs, outputs.get(sid))
+    return True, {n.stage.id: outputs[n.stage.id] for n in nodes if n.stage.id in outputs}
+
+
+def write_log(
+    now: datetime,
+    level: str,
+    message: str,
+    *,
+    run_id: uuid.UUID | None = None,
+    stage_pk: uuid.UUID | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> None:
+    """Append a log row; failures are logged and swallowed (WF-17)."""
+    try:
+        WorkflowLog.objects.create(
+            created_at=now, run_id=run_id, stage_id=stage_pk, level=level, message=message,
+            metadata=metadata,
+        )
+    except Exception:  # logs must never break the engine
+        logger.exception("Could not write workflow log %r", message)
+
+
+def write_annotations(
+    run_id: uuid.UUID,
+    inputs: Iterable[AnnotationInput],
+    *,
+    now: datetime,
+    scope: str = "run",
+    scope_id: str | None = None,
+    stage_pk: uuid.UUID | None = None,
+    attempt: int = 0,
+) -> list[dict[str, Any]]:
+    """Insert annotations (AN-8: a repeated ``(run, key, idempotency_key)`` is skipped, first
+    write wins) and return the ``annotation:created`` events of the inputs that asked for one
+    (AN-40).
+    """
+    rows = []
+    events = []
+    for item in inputs:
+        actor = item.actor or {}
+        rows.append(
+            WorkflowAnnotation(
+                created_at=now,
+                run_id=run_id,
+                stage_record_id=stage_pk,
+                attempt=attempt,
+                scope=scope,
+                scope_id=scope_id,
+                actor_kind=actor.get("kind"),
+                actor_id=actor.get("id"),
+                actor_version=actor.get("version"),
+                key=item.key,
+                value=item.value,
+                payload=item.payload,
+                idempotency_key=item.idempotency_key,
+            )
+        )
+        if item.emit_event:
+            events.append(
+                ev.event(
+                    ev.ANNOTATION_CREATED, run_id, now, key=item.key, value=item.value,
+                    scope=scope, scope_id=scope_id, attempt=attempt,
+                    actor_kind=actor.get("kind"), actor_id=actor.get("id"),
+                    actor_version=actor.get("version"),
+                )
+            )
+    if rows:
+        WorkflowAnnotation.objects.bulk_create(rows, ignore_conflicts=True)
+    return events
+
+
+def stage_output_key(run: WorkflowRun, stage_id: str) -> str:
+    return output_key(run.workflow_type, str(run.pk), stage_id)

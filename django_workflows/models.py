@@ -1,0 +1,340 @@
+"""Database tables of the engine (SPEC §1).
+
+The kernel owns every status column: code outside ``django_workflows.kernel`` reads these
+models but changes state only by dispatching a command. Engine timestamps (``created_at``,
+``updated_at``, leases, poll times) are written from the kernel's clock, never ``auto_now``
+(Part I item 12). Durations are 64-bit milliseconds (``*_ms``, Part I item 13); JSON columns use
+Django's JSON encoder so datetimes, decimals and UUIDs round-trip as ISO strings.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import models
+
+
+class Status(models.TextChoices):
+    """The one status enum shared by runs, stages and jobs (DM-1).
+
+    The engine never writes ``SKIPPED`` and never writes ``SUSPENDED`` on a run (SM-8).
+    """
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUSPENDED = "SUSPENDED"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    SKIPPED = "SKIPPED"
+
+
+TERMINAL_RUN_STATUSES = frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED})
+ACTIVE_STAGE_STATUSES = frozenset({Status.PENDING, Status.RUNNING, Status.SUSPENDED})
+
+
+class LogLevel(models.TextChoices):
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARN = "WARN"
+    ERROR = "ERROR"
+
+
+def _json(**kwargs: object) -> models.JSONField:
+    return models.JSONField(encoder=DjangoJSONEncoder, **kwargs)  # type: ignore[arg-type]
+
+
+class WorkflowRun(models.Model):
+    """One execution of a registered workflow (SPEC §1.2).
+
+    ``version`` is bumped by every update (DM-5); ``run.transition`` and the poller use it as an
+    optimistic claim. ``duration_ms`` is measured from ``started_at`` (Part I item 14).
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+    version = models.PositiveIntegerField(default=1)
+    workflow_id = models.CharField(max_length=200)
+    workflow_name = models.CharField(max_length=200)
+    workflow_type = models.CharField(max_length=200)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    started_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+    duration_ms = models.BigIntegerField(null=True, blank=True)
+    input = _json(default=dict, blank=True)
+    output = _json(null=True, blank=True)
+    config = _json(default=dict, blank=True)
+    total_cost = models.FloatField(default=0)
+    total_tokens = models.BigIntegerField(default=0)
+    priority = models.IntegerField(default=5)
+    metadata = _json(null=True, blank=True)
+
+    class Meta:
+        db_table = "workflow_runs"
+        ordering = ["-created_at"]
+        indexes = [
+            models.Index(fields=["status"], name="wf_run_status_idx"),
+            models.Index(fields=["workflow_id"], name="wf_run_workflow_idx"),
+            models.Index(fields=["status", "-priority", "created_at"], name="wf_run_claim_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.workflow_id} run {self.id} ({self.status})"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_RUN_STATUSES
+
+
+class WorkflowStage(models.Model):
+    """The execution record of one stage within one run (SPEC §1.3).
+
+    ``attempt`` is the rerun generation (SM-30), not a retry counter. ``output_data`` holds a
+    blob-store reference ``{"_artifactKey": ...}`` (DM-51). ``progress``/``progress_message`` are
+    written live while the stage runs (Part I item 14).
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+    version = models.PositiveIntegerField(default=1)
+    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="stages")
+    stage_id = models.CharField(max_length=200)
+    stage_name = models.CharField(max_length=200)
+    stage_number = models.PositiveIntegerField()
+    execution_group = models.PositiveIntegerField()
+    attempt = models.PositiveIntegerField(default=0)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    started_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+    duration_ms = models.BigIntegerField(null=True, blank=True)
+    input_data = _json(null=True, blank=True)
+    output_data = _json(null=True, blank=True)
+    config = _json(null=True, blank=True)
+    suspended_state = _json(null=True, blank=True)
+    resume_data = _json(null=True, blank=True)
+    next_poll_at = models.DateTimeField(null=True, blank=True)
+    poll_interval_ms = models.BigIntegerField(null=True, blank=True)
+    max_wait_until = models.DateTimeField(null=True, blank=True)
+    metrics = _json(null=True, blank=True)
+    embedding_info = _json(null=True, blank=True)
+    error_message = models.TextField(null=True, blank=True)
+    progress = models.FloatField(null=True, blank=True)
+    progress_message = models.TextField(blank=True, default="")
+
+    class Meta:
+        db_table = "workflow_stages"
+        ordering = ["execution_group", "stage_number"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "stage_id"], name="wf_stage_run_stage_uniq"),
+        ]
+        indexes = [
+            models.Index(fields=["status"], name="wf_stage_status_idx"),
+            models.Index(fields=["next_poll_at"], name="wf_stage_next_poll_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.stage_id} ({self.status})"
+
+
+class WorkflowJob(models.Model):
+    """One queued unit of work: execute one stage of one run (SPEC §1.7).
+
+    ``attempt`` counts deliveries (SM-31). ``worker_id``/``locked_at`` form the lease that
+    heartbeats refresh. ``next_poll_at`` is the not-before time (retry back-off). There is
+    deliberately no foreign key to the run (DM-11).
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+    workflow_run_id = models.UUIDField()
+    workflow_id = models.CharField(max_length=200)
+    stage_id = models.CharField(max_length=200)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    priority = models.IntegerField(default=5)
+    attempt = models.PositiveIntegerField(default=0)
+    max_attempts = models.PositiveIntegerField(default=3)
+    worker_id = models.CharField(max_length=200, null=True, blank=True)
+    locked_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+    next_poll_at = models.DateTimeField(null=True, blank=True)
+    payload = _json(default=dict, blank=True)
+    last_error = models.TextField(null=True, blank=True)
+
+    class Meta:
+        db_table = "workflow_jobs"
+        ordering = ["-priority", "created_at", "id"]
+        indexes = [
+            models.Index(fields=["status", "priority"], name="wf_job_status_prio_idx"),
+            models.Index(fields=["next_poll_at"], name="wf_job_next_poll_idx"),
+            models.Index(fields=["workflow_run_id"], name="wf_job_run_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.id} {self.stage_id} ({self.status})"
+
+
+class WorkflowLog(models.Model):
+    """An append-only log line written by a stage or the kernel (SPEC §1.4)."""
+
+    id = models.BigAutoField(primary_key=True)
+    created_at = models.DateTimeField()
+    run = models.ForeignKey(
+        WorkflowRun, on_delete=models.CASCADE, null=True, blank=True, related_name="logs"
+    )
+    stage = models.ForeignKey(
+        WorkflowStage, on_delete=models.CASCADE, null=True, blank=True, related_name="logs"
+    )
+    level = models.CharField(max_length=8, choices=LogLevel.choices)
+    message = models.TextField()
+    metadata = _json(null=True, blank=True)
+
+    class Meta:
+        db_table = "workflow_logs"
+        ordering = ["created_at", "id"]
+
+    def __str__(self) -> str:
+        return f"[{self.level}] {self.message[:60]}"
+
+
+class WorkflowAnnotation(models.Model):
+    """A typed, queryable fact about a run or stage (SPEC §1.6, §6).
+
+    Ordered by ``created_at`` then ``id``; the auto-increment id is the tie-breaker (AN-24).
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    created_at = models.DateTimeField()
+    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="annotations")
+    stage_record = models.ForeignKey(
+        WorkflowStage,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="annotations",
+    )
+    attempt = models.PositiveIntegerField(default=0)
+    scope = models.CharField(max_length=64, default="run")
+    scope_id = models.CharField(max_length=200, null=True, blank=True)
+    actor_kind = models.CharField(max_length=64, null=True, blank=True)
+    actor_id = models.CharField(max_length=200, null=True, blank=True)
+    actor_version = models.CharField(max_length=64, null=True, blank=True)
+    key = models.CharField(max_length=200)
+    value = _json()
+    payload = _json(null=True, blank=True)
+    idempotency_key = models.CharField(max_length=200, null=True, blank=True)
+
+    class Meta:
+        db_table = "workflow_annotations"
+        ordering = ["created_at", "id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["run", "key", "idempotency_key"], name="wf_annotation_dedupe_uniq"
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["run", "key"], name="wf_ann_run_key_idx"),
+            models.Index(fields=["run", "created_at"], name="wf_ann_run_created_idx"),
+            models.Index(fields=["run", "scope"], name="wf_ann_run_scope_idx"),
+            models.Index(fields=["run", "actor_id"], name="wf_ann_run_actor_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.key}={self.value!r}"
+
+
+class OutboxEvent(models.Model):
+    """An event written in the same transaction as the state change that produced it (§5.2).
+
+    ``sequence`` is 1, 2, 3, ... per run, gap-free (DM-20). No foreign key to the run (DM-11).
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    created_at = models.DateTimeField()
+    workflow_run_id = models.UUIDField()
+    sequence = models.PositiveIntegerField()
+    event_type = models.CharField(max_length=64)
+    payload = _json()
+    causation_id = models.CharField(max_length=200)
+    occurred_at = models.DateTimeField()
+    published_at = models.DateTimeField(null=True, blank=True)
+    retry_count = models.PositiveIntegerField(default=0)
+    dlq_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "outbox_events"
+        ordering = ["workflow_run_id", "sequence"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["workflow_run_id", "sequence"], name="wf_outbox_run_seq_uniq"
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["published_at"], name="wf_outbox_published_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.event_type} #{self.sequence}"
+
+
+class IdempotencyKey(models.Model):
+    """A command idempotency key, scoped by command type (SPEC §1.9, K-10..14)."""
+
+    class State(models.TextChoices):
+        IN_PROGRESS = "in_progress"
+        COMPLETED = "completed"
+
+    id = models.BigAutoField(primary_key=True)
+    created_at = models.DateTimeField()
+    key = models.CharField(max_length=255)
+    command_type = models.CharField(max_length=64)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.IN_PROGRESS)
+    result = _json(null=True, blank=True)
+
+    class Meta:
+        db_table = "idempotency_keys"
+        constraints = [
+            models.UniqueConstraint(fields=["key", "command_type"], name="wf_idem_key_type_uniq"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.command_type}:{self.key} ({self.state})"
+
+
+class WorkflowBlob(models.Model):
+    """A JSON blob of the database blob store: stage outputs, artifacts, ``ctx.storage`` (DM-50).
+
+    ``run_id``/``stage_id`` record who wrote it, so a rerun can delete what the deleted stages
+    stored (Part I item 8).
+    """
+
+    key = models.CharField(max_length=512, primary_key=True)
+    created_at = models.DateTimeField()
+    run_id = models.UUIDField(null=True, blank=True)
+    stage_id = models.CharField(max_length=200, null=True, blank=True)
+    data = _json(null=True)
+
+    class Meta:
+        db_table = "workflow_blobs"
+        indexes = [models.Index(fields=["run_id", "stage_id"], name="wf_blob_run_stage_idx")]
+
+    def __str__(self) -> str:
+        return self.key
+
+
+class MaintenanceLease(models.Model):
+    """A named lease that keeps maintenance ticks from overlapping (Part I item 18)."""
+
+    name = models.CharField(max_length=64, primary_key=True)
+    owner = models.CharField(max_length=200)
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "workflow_maintenance_leases"
+
+    def __str__(self) -> str:
+        return f"{self.name} held by {self.owner}"

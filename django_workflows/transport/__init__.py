@@ -1,0 +1,1 @@
+"""Job transports: how workers are woken after a commit (ports.JobTransport)."""

@@ -1,0 +1,166 @@
+"""Workers on django-q2 (ARCHITECTURE §3, §5).
+
+Our ``workflow_jobs`` table is the truth; django-q2 only carries wake-ups and runs schedules.
+Every django-q2 delivery is treated as at-least-once and possibly duplicated: the job claim
+(``SKIP LOCKED``) decides who works, and a duplicate wake-up finds nothing to claim.
+
+Tasks:
+
+* :func:`work` - drain up to ``JOBS_PER_WAKEUP`` ready jobs (optionally claim PENDING runs
+  first). Sent after every commit that enqueued jobs or created a run.
+* :func:`ticker` - run maintenance ticks every ``TICK_INTERVAL_SECONDS`` for up to
+  ``TICKER_RUN_SECONDS`` while holding the ``ticker`` lease, so suspended stages are polled
+  with sub-minute latency. It stops early once no run is PENDING or RUNNING. A django-q2
+  schedule (every minute, installed by ``migrate`` or ``workflows_install_schedule``) starts it
+  as the floor; a stage that suspends or a retry wakes it at once.
+
+Cluster settings that matter (see README): ``timeout`` above your longest stage, ``retry``
+above ``timeout``, ``max_attempts: 1`` (our table decides retries), ``save_limit: -1``, and
+``CONN_MAX_AGE`` > 0 on the database.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+from django.db import close_old_connections
+
+from ..conf import workflow_settings
+from ..kernel.commands import ClaimPendingRuns
+from ..kernel.hosting import (
+    acquire_lease,
+    default_worker_id,
+    lease_is_free,
+    process_available_jobs,
+    release_lease,
+    run_maintenance_tick,
+)
+from ..kernel.runtime import get_kernel
+
+logger = logging.getLogger("django_workflows.worker")
+
+WORK_TASK = "django_workflows.transport.django_q.work"
+TICKER_TASK = "django_workflows.transport.django_q.ticker"
+TICKER_LEASE = "ticker"
+SCHEDULE_NAME = "django_workflows.ticker"
+
+_worker_id: str | None = None
+_worker_id_lock = threading.Lock()
+
+
+def worker_id() -> str:
+    """This process's worker id (stable for the life of the django-q2 worker process)."""
+    global _worker_id
+    with _worker_id_lock:
+        if _worker_id is None:
+            _worker_id = default_worker_id()
+        return _worker_id
+
+
+def work(claim: bool = False) -> dict[str, Any]:
+    """django-q2 task: optionally claim PENDING runs, then drain ready jobs."""
+    close_old_connections()
+    kernel = get_kernel()
+    claimed = 0
+    if claim:
+        res = kernel.dispatch(
+            ClaimPendingRuns(worker_id(), max_claims=int(workflow_settings.MAX_CLAIMS_PER_TICK))
+        )
+        claimed = len(res.claimed)
+    result = process_available_jobs(
+        kernel, worker_id(), max_jobs=int(workflow_settings.JOBS_PER_WAKEUP)
+    )
+    return {"claimed": claimed, **asdict(result)}
+
+
+def _has_live_runs() -> bool:
+    from ..models import Status, WorkflowRun
+
+    return WorkflowRun.objects.filter(status__in=[Status.PENDING, Status.RUNNING]).exists()
+
+
+def ticker(run_seconds: float | None = None) -> dict[str, Any]:
+    """django-q2 task: maintenance ticks every ``TICK_INTERVAL_SECONDS`` while holding the
+    ``ticker`` lease; returns at once if another ticker holds it.
+    """
+    close_old_connections()
+    kernel = get_kernel()
+    owner = worker_id() + "-ticker"
+    duration = float(run_seconds if run_seconds is not None
+                      else workflow_settings.TICKER_RUN_SECONDS)
+    interval = float(workflow_settings.TICK_INTERVAL_SECONDS)
+    if not acquire_lease(kernel, TICKER_LEASE, owner, duration + 30):
+        return {"ticks": 0, "skipped": True}
+    ticks = 0
+    deadline = time.monotonic() + duration
+    try:
+        while time.monotonic() < deadline:
+            run_maintenance_tick(kernel, owner)
+            ticks += 1
+            if not _has_live_runs():
+                break
+            acquire_lease(kernel, TICKER_LEASE, owner, duration + 30)
+            time.sleep(interval)
+    finally:
+        release_lease(TICKER_LEASE, owner)
+    return {"ticks": ticks, "skipped": False}
+
+
+class DjangoQTransport:
+    """Sends wake-ups as django-q2 tasks (``async_task``), after commit."""
+
+    max_pending_wakeups = 8
+
+    def _send(self, func: str, **kwargs: Any) -> None:
+        from django_q.tasks import async_task
+
+        options: dict[str, Any] = {"task_name": func.rsplit(".", 1)[-1]}
+        if workflow_settings.Q_CLUSTER_NAME:
+            options["cluster"] = workflow_settings.Q_CLUSTER_NAME
+        try:
+            async_task(func, q_options=options, **kwargs)
+        except Exception:  # a lost wake-up only delays work: the tick re-wakes
+            logger.exception("Could not send django-q2 wake-up %s", func)
+
+    def _queued(self) -> int:
+        try:
+            from django_q.brokers import get_broker
+
+            return int(get_broker().queue_size() or 0)
+        except Exception:
+            return 0
+
+    def wake_workers(self, jobs: int) -> None:
+        count = min(jobs, self.max_pending_wakeups - self._queued())
+        for _ in range(max(0, count)):
+            self._send(WORK_TASK)
+
+    def wake_claimer(self) -> None:
+        self._send(WORK_TASK, claim=True)
+
+    def wake_ticker(self) -> None:
+        if lease_is_free(get_kernel(), TICKER_LEASE):
+            self._send(TICKER_TASK)
+
+
+def install_schedule() -> bool:
+    """Create or update the one-minute django-q2 schedule that starts the ticker (idempotent).
+
+    Returns ``True`` if the schedule row was created.
+    """
+    from django_q.models import Schedule
+
+    _, created = Schedule.objects.update_or_create(
+        name=SCHEDULE_NAME,
+        defaults={
+            "func": TICKER_TASK,
+            "schedule_type": Schedule.MINUTES,
+            "minutes": 1,
+            "repeats": -1,
+        },
+    )
+    return created

@@ -1,0 +1,135 @@
+"""Settings of the example project.
+
+The database is SQLite (``var/example.sqlite3``) unless ``DATABASE_URL`` names a PostgreSQL
+database, e.g. ``postgres://postgres@127.0.0.1:5432/test``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(os.environ.get("EXAMPLE_VAR_DIR", BASE_DIR / "var"))
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "example-project-not-secret")
+DEBUG = os.environ.get("DJANGO_DEBUG", "1") == "1"
+ALLOWED_HOSTS = ["*"]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "django_q",
+    "django_workflows",
+    "example_project.docpipeline",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+ROOT_URLCONF = "example_project.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+
+def _database() -> dict:
+    url = os.environ.get("DATABASE_URL", "")
+    if url.startswith(("postgres://", "postgresql://")):
+        parts = urlparse(url)
+        return {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": unquote(parts.path.lstrip("/")) or "postgres",
+            "USER": unquote(parts.username or "postgres"),
+            "PASSWORD": unquote(parts.password or ""),
+            "HOST": parts.hostname or "127.0.0.1",
+            "PORT": str(parts.port or 5432),
+            # One connection per worker process, reused across django-q2 tasks (ARCH §5).
+            "CONN_MAX_AGE": 60,
+            "TEST": {"NAME": os.environ.get("TEST_DATABASE_NAME", "test_django_workflows")},
+        }
+    if url and not url.startswith("sqlite"):
+        raise RuntimeError(f"DATABASE_URL must be postgres://... or sqlite:///..., got {url!r}")
+    path = url.removeprefix("sqlite:///") if url else str(VAR_DIR / "example.sqlite3")
+    return {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": path,
+        "CONN_MAX_AGE": 60,
+        # IMMEDIATE takes the write lock at BEGIN: no lock-upgrade deadlocks between workers.
+        "OPTIONS": {
+            "transaction_mode": "IMMEDIATE",
+            "timeout": 30,
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        },
+        "TEST": {"NAME": os.environ.get("TEST_SQLITE_NAME") or None},
+    }
+
+
+DATABASES = {"default": _database()}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+USE_TZ = True
+TIME_ZONE = "UTC"
+LANGUAGE_CODE = "en-us"
+STATIC_URL = "static/"
+
+Q_CLUSTER = {
+    "name": "workflows",
+    "orm": "default",
+    "workers": int(os.environ.get("Q_WORKERS", "4")),
+    # Longest stage we allow, in seconds; django-q2 kills a task past it.
+    "timeout": 600,
+    # Must exceed timeout, or long tasks are delivered twice (ARCHITECTURE §5).
+    "retry": 660,
+    "max_attempts": 1,
+    "save_limit": -1,
+    "ack_failures": True,
+    "poll": 0.2,
+    "catch_up": False,
+    "log_level": os.environ.get("Q_LOG_LEVEL", "WARNING"),
+}
+
+DJANGO_WORKFLOWS = {
+    "TICK_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_TICK_INTERVAL", "0.5")),
+    "STALE_LEASE_SECONDS": int(os.environ.get("WORKFLOWS_STALE_LEASE_SECONDS", "300")),
+    "HEARTBEAT_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_HEARTBEAT_SECONDS", "30")),
+}
+
+REST_FRAMEWORK = {
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
+}
+
+DOCPIPELINE_REPORT_DIR = Path(os.environ.get("DOCPIPELINE_REPORT_DIR", VAR_DIR / "reports"))
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {
+        "django_workflows": {"handlers": ["console"], "level": "WARNING"},
+    },
+}

@@ -1,0 +1,66 @@
+"""Shared fixtures: a fake clock, a collecting event sink and kernels built on them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from django_workflows.definition import Workflow
+from django_workflows.kernel import Kernel
+from django_workflows.testing import CollectingSink, FakeClock, make_kernel
+from django_workflows.transport.inline import RecordingTransport
+
+
+@pytest.fixture(autouse=True)
+def _test_settings(settings: Any) -> None:
+    settings.DJANGO_WORKFLOWS = {
+        "TRANSPORT": "django_workflows.transport.inline.NullTransport",
+        "HEARTBEAT_INTERVAL_SECONDS": 30.0,
+        "INSTALL_SCHEDULE": False,
+    }
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(datetime.now(UTC).replace(microsecond=0))
+
+
+@pytest.fixture
+def sink() -> CollectingSink:
+    return CollectingSink()
+
+
+@pytest.fixture
+def transport() -> RecordingTransport:
+    return RecordingTransport()
+
+
+@pytest.fixture
+def kernel_for(
+    clock: FakeClock, sink: CollectingSink, transport: RecordingTransport
+) -> Callable[..., Kernel]:
+    """``kernel_for(*workflows, **kwargs)`` -> a kernel with the fixtures' clock/sink/transport."""
+
+    def build(*workflows: Workflow, **kwargs: Any) -> Kernel:
+        return make_kernel(*workflows, clock=clock, event_sink=sink, transport=transport,
+                           **kwargs)
+
+    return build
+
+
+def is_postgres() -> bool:
+    return connection.vendor == "postgresql"
+
+
+postgres_only = pytest.mark.skipif(
+    "not config.getoption('--postgres-tests')", reason="PostgreSQL-only"
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--postgres-tests", action="store_true", default=False,
+                     help="the run is against PostgreSQL: also run the locking tests")
