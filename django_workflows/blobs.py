@@ -25,12 +25,18 @@ class DatabaseBlobStore:
     def __init__(self, clock: Clock | None = None) -> None:
         self.clock = clock or SystemClock()
 
-    def put(self, key: str, data: Any, *, run_id: str | None = None,
-            stage_id: str | None = None) -> None:
+    def put(
+        self, key: str, data: Any, *, run_id: str | None = None, stage_id: str | None = None
+    ) -> None:
         self.put_many([(key, data)], run_id=run_id, stage_id=stage_id)
 
-    def put_many(self, items: Iterable[tuple[str, Any]], *, run_id: str | None = None,
-                 stage_id: str | None = None) -> None:
+    def put_many(
+        self,
+        items: Iterable[tuple[str, Any]],
+        *,
+        run_id: str | None = None,
+        stage_id: str | None = None,
+    ) -> None:
         now = self.clock.now()
         rows = [
             WorkflowBlob(key=k, data=v, created_at=now, run_id=run_id, stage_id=stage_id)

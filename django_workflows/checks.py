@@ -17,63 +17,88 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     user = getattr(settings, "DJANGO_WORKFLOWS", None) or {}
     unknown = sorted(set(user) - set(DEFAULTS))
     if unknown:
-        messages.append(Error(
-            f"Unknown DJANGO_WORKFLOWS settings: {', '.join(unknown)}",
-            hint=f"Known settings: {', '.join(sorted(DEFAULTS))}",
-            id="django_workflows.E001",
-        ))
-    for name in ("MAX_ATTEMPTS", "STALE_LEASE_SECONDS", "HEARTBEAT_INTERVAL_SECONDS",
-                 "TICK_INTERVAL_SECONDS", "JOBS_PER_WAKEUP"):
+        messages.append(
+            Error(
+                f"Unknown DJANGO_WORKFLOWS settings: {', '.join(unknown)}",
+                hint=f"Known settings: {', '.join(sorted(DEFAULTS))}",
+                id="django_workflows.E001",
+            )
+        )
+    for name in (
+        "MAX_ATTEMPTS",
+        "STALE_LEASE_SECONDS",
+        "HEARTBEAT_INTERVAL_SECONDS",
+        "TICK_INTERVAL_SECONDS",
+        "JOBS_PER_WAKEUP",
+    ):
         value = getattr(workflow_settings, name)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            messages.append(Error(
-                f"DJANGO_WORKFLOWS['{name}'] must be a positive number, got {value!r}",
-                id="django_workflows.E002",
-            ))
-    if (isinstance(workflow_settings.HEARTBEAT_INTERVAL_SECONDS, int | float)
-            and isinstance(workflow_settings.STALE_LEASE_SECONDS, int | float)
-            and workflow_settings.HEARTBEAT_INTERVAL_SECONDS
-            >= workflow_settings.STALE_LEASE_SECONDS):
-        messages.append(Error(
-            "DJANGO_WORKFLOWS['HEARTBEAT_INTERVAL_SECONDS'] must be below STALE_LEASE_SECONDS, "
-            "or running stages lose their lease",
-            id="django_workflows.E003",
-        ))
+            messages.append(
+                Error(
+                    f"DJANGO_WORKFLOWS['{name}'] must be a positive number, got {value!r}",
+                    id="django_workflows.E002",
+                )
+            )
+    if (
+        isinstance(workflow_settings.HEARTBEAT_INTERVAL_SECONDS, int | float)
+        and isinstance(workflow_settings.STALE_LEASE_SECONDS, int | float)
+        and workflow_settings.HEARTBEAT_INTERVAL_SECONDS >= workflow_settings.STALE_LEASE_SECONDS
+    ):
+        messages.append(
+            Error(
+                "DJANGO_WORKFLOWS['HEARTBEAT_INTERVAL_SECONDS'] must be below STALE_LEASE_SECONDS, "
+                "or running stages lose their lease",
+                id="django_workflows.E003",
+            )
+        )
     try:
         import_string(workflow_settings.TRANSPORT)
     except ImportError as exc:
-        messages.append(Error(f"DJANGO_WORKFLOWS['TRANSPORT'] cannot be imported: {exc}",
-                              id="django_workflows.E004"))
+        messages.append(
+            Error(
+                f"DJANGO_WORKFLOWS['TRANSPORT'] cannot be imported: {exc}",
+                id="django_workflows.E004",
+            )
+        )
     for path in workflow_settings.PLUGINS:
         try:
             import_string(path)
         except ImportError as exc:
-            messages.append(Error(f"DJANGO_WORKFLOWS['PLUGINS'] entry {path!r}: {exc}",
-                                  id="django_workflows.E005"))
+            messages.append(
+                Error(
+                    f"DJANGO_WORKFLOWS['PLUGINS'] entry {path!r}: {exc}", id="django_workflows.E005"
+                )
+            )
     q = getattr(settings, "Q_CLUSTER", None) or {}
     if q and "django_q" in settings.INSTALLED_APPS:
         timeout, retry = q.get("timeout"), q.get("retry", 60)
         if timeout is not None and retry is not None and retry <= timeout:
-            messages.append(Warning(
-                "Q_CLUSTER['retry'] should be larger than Q_CLUSTER['timeout'], or django-q2 "
-                "delivers long tasks twice",
-                id="django_workflows.W001",
-            ))
+            messages.append(
+                Warning(
+                    "Q_CLUSTER['retry'] should be larger than Q_CLUSTER['timeout'], or django-q2 "
+                    "delivers long tasks twice",
+                    id="django_workflows.W001",
+                )
+            )
         ticker_s = float(workflow_settings.TICKER_RUN_SECONDS)
         if timeout is not None and ticker_s >= timeout:
-            messages.append(Error(
-                "DJANGO_WORKFLOWS['TICKER_RUN_SECONDS'] must be below Q_CLUSTER['timeout'], or "
-                "django-q2 kills the ticker",
-                id="django_workflows.E006",
-            ))
+            messages.append(
+                Error(
+                    "DJANGO_WORKFLOWS['TICKER_RUN_SECONDS'] must be below Q_CLUSTER['timeout'], or "
+                    "django-q2 kills the ticker",
+                    id="django_workflows.E006",
+                )
+            )
     for alias, db in settings.DATABASES.items():
         if db.get("ENGINE", "").endswith("sqlite3"):
             mode = (db.get("OPTIONS") or {}).get("transaction_mode")
             if mode != "IMMEDIATE":
-                messages.append(Warning(
-                    f"DATABASES['{alias}'] is SQLite without "
-                    "OPTIONS={'transaction_mode': 'IMMEDIATE'}: concurrent workers will hit "
-                    "'database is locked'",
-                    id="django_workflows.W002",
-                ))
+                messages.append(
+                    Warning(
+                        f"DATABASES['{alias}'] is SQLite without "
+                        "OPTIONS={'transaction_mode': 'IMMEDIATE'}: concurrent workers will hit "
+                        "'database is locked'",
+                        id="django_workflows.W002",
+                    )
+                )
     return messages

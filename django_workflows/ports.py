@@ -33,11 +33,17 @@ class SystemClock:
 class BlobStore(Protocol):
     """JSON blobs by key (DM-50). ``get`` raises ``KeyError`` for a missing key."""
 
-    def put(self, key: str, data: Any, *, run_id: str | None = None,
-            stage_id: str | None = None) -> None: ...
+    def put(
+        self, key: str, data: Any, *, run_id: str | None = None, stage_id: str | None = None
+    ) -> None: ...
 
-    def put_many(self, items: Iterable[tuple[str, Any]], *, run_id: str | None = None,
-                 stage_id: str | None = None) -> None: ...
+    def put_many(
+        self,
+        items: Iterable[tuple[str, Any]],
+        *,
+        run_id: str | None = None,
+        stage_id: str | None = None,
+    ) -> None: ...
 
     def get(self, key: str) -> Any: ...
 

@@ -46,8 +46,7 @@ def kernel_for(
     """``kernel_for(*workflows, **kwargs)`` -> a kernel with the fixtures' clock/sink/transport."""
 
     def build(*workflows: Workflow, **kwargs: Any) -> Kernel:
-        return make_kernel(*workflows, clock=clock, event_sink=sink, transport=transport,
-                           **kwargs)
+        return make_kernel(*workflows, clock=clock, event_sink=sink, transport=transport, **kwargs)
 
     return build
 
@@ -62,5 +61,9 @@ postgres_only = pytest.mark.skipif(
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--postgres-tests", action="store_true", default=False,
-                     help="the run is against PostgreSQL: also run the locking tests")
+    parser.addoption(
+        "--postgres-tests",
+        action="store_true",
+        default=False,
+        help="the run is against PostgreSQL: also run the locking tests",
+    )

@@ -43,7 +43,6 @@ def async_stage(stage_id: str = "batch", *, ready_after: int = 1, result: int = 
             return CompletionCheck.done({"value": result})
         return CompletionCheck.not_ready()
 
-    st = define_async_batch_stage(id=stage_id, execute=execute, check_completion=check,
-                                  output=Num)
+    st = define_async_batch_stage(id=stage_id, execute=execute, check_completion=check, output=Num)
     st.calls = calls  # type: ignore[attr-defined]
     return st

@@ -35,7 +35,9 @@ class WorkflowRegistry:
             )
         existing = self._workflows.get(workflow.id)
         if existing is not None and existing is not workflow:
-            raise WorkflowDefinitionError(f"A workflow with id {workflow.id!r} is already registered")
+            raise WorkflowDefinitionError(
+                f"A workflow with id {workflow.id!r} is already registered"
+            )
         self._workflows[workflow.id] = workflow
         return workflow
 

@@ -90,7 +90,9 @@ class CompletionCheck:
     details: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def done(cls, output: Any = UNSET, *, metrics: dict[str, float] | None = None) -> CompletionCheck:
+    def done(
+        cls, output: Any = UNSET, *, metrics: dict[str, float] | None = None
+    ) -> CompletionCheck:
         """The batch finished; ``output`` (validated with the output model) completes the stage."""
         return cls(ready=True, output=output, metrics=metrics)
 

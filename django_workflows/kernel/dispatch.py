@@ -157,4 +157,3 @@ def _routes() -> dict[type, tuple[Callable[..., Any], bool, type[c.Result]]]:
         c.FlushOutbox: (outbox_flush.handle, False, c.FlushOutboxResult),
         c.ReplayDeadLetters: (plugin_replay_dlq.handle, False, c.ReplayDeadLettersResult),
     }
-

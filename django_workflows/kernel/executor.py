@@ -99,9 +99,7 @@ def normalise_suspend(value: Suspend, now: datetime) -> SuspendOutcome:
     if max_wait is None:
         max_wait = state.get("max_wait_seconds", DEFAULT_MAX_WAIT_SECONDS)
     submitted = state.get("submitted_at") or now.isoformat()
-    state.update(
-        submitted_at=submitted, poll_interval_seconds=poll, max_wait_seconds=max_wait
-    )
+    state.update(submitted_at=submitted, poll_interval_seconds=poll, max_wait_seconds=max_wait)
     next_poll_at = value.next_poll_at or now + timedelta(seconds=float(poll))
     return SuspendOutcome(
         state=state,

@@ -53,8 +53,7 @@ class Heartbeat:
         self.job_id = job_id
         self.interval = interval_seconds
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{job_id}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{job_id}", daemon=True)
 
     def _loop(self) -> None:
         try:
@@ -169,8 +168,15 @@ class TickResult:
 
     @property
     def did_work(self) -> bool:
-        return any((self.claimed, self.resumed, self.stale_released, self.events_flushed,
-                    self.stuck_reaped))
+        return any(
+            (
+                self.claimed,
+                self.resumed,
+                self.stale_released,
+                self.events_flushed,
+                self.stuck_reaped,
+            )
+        )
 
 
 def acquire_lease(kernel: Kernel, name: str, owner: str, ttl_seconds: float) -> bool:
@@ -179,9 +185,11 @@ def acquire_lease(kernel: Kernel, name: str, owner: str, ttl_seconds: float) -> 
     """
     now = kernel.clock.now()
     expires = now + timedelta(seconds=ttl_seconds)
-    if MaintenanceLease.objects.filter(name=name).filter(
-        Q(expires_at__lte=now) | Q(owner=owner)
-    ).update(owner=owner, expires_at=expires):
+    if (
+        MaintenanceLease.objects.filter(name=name)
+        .filter(Q(expires_at__lte=now) | Q(owner=owner))
+        .update(owner=owner, expires_at=expires)
+    ):
         return True
     try:
         with transaction.atomic():

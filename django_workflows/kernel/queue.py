@@ -82,7 +82,12 @@ class JobQueue:
             job.attempt += 1
             job.save(
                 update_fields=[
-                    "status", "worker_id", "locked_at", "started_at", "updated_at", "attempt"
+                    "status",
+                    "worker_id",
+                    "locked_at",
+                    "started_at",
+                    "updated_at",
+                    "attempt",
                 ]
             )
         return job
@@ -92,8 +97,11 @@ class JobQueue:
         now = self.clock.now()
         return bool(
             WorkflowJob.objects.filter(pk=job_id, status=from_status).update(
-                status=Status.COMPLETED, completed_at=now, updated_at=now,
-                worker_id=None, locked_at=None,
+                status=Status.COMPLETED,
+                completed_at=now,
+                updated_at=now,
+                worker_id=None,
+                locked_at=None,
             )
         )
 
@@ -101,11 +109,16 @@ class JobQueue:
         """RUNNING -> SUSPENDED, lease cleared (DM-43, SM-22)."""
         now = self.clock.now()
         if next_poll_at is None:
-            next_poll_at = now + timedelta(seconds=float(workflow_settings.SUSPEND_FALLBACK_SECONDS))
+            next_poll_at = now + timedelta(
+                seconds=float(workflow_settings.SUSPEND_FALLBACK_SECONDS)
+            )
         return bool(
             WorkflowJob.objects.filter(pk=job_id, status=Status.RUNNING).update(
-                status=Status.SUSPENDED, next_poll_at=next_poll_at, updated_at=now,
-                worker_id=None, locked_at=None,
+                status=Status.SUSPENDED,
+                next_poll_at=next_poll_at,
+                updated_at=now,
+                worker_id=None,
+                locked_at=None,
             )
         )
 
@@ -129,13 +142,21 @@ class JobQueue:
                 float(workflow_settings.RETRY_BACKOFF_MAX_SECONDS),
             )
             updated = WorkflowJob.objects.filter(pk=job_id, status=Status.RUNNING).update(
-                status=Status.PENDING, last_error=error, worker_id=None, locked_at=None,
-                next_poll_at=now + timedelta(seconds=delay), updated_at=now,
+                status=Status.PENDING,
+                last_error=error,
+                worker_id=None,
+                locked_at=None,
+                next_poll_at=now + timedelta(seconds=delay),
+                updated_at=now,
             )
             return Status.PENDING if updated else None
         updated = WorkflowJob.objects.filter(pk=job_id, status=Status.RUNNING).update(
-            status=Status.FAILED, last_error=error, completed_at=now, updated_at=now,
-            worker_id=None, locked_at=None,
+            status=Status.FAILED,
+            last_error=error,
+            completed_at=now,
+            updated_at=now,
+            worker_id=None,
+            locked_at=None,
         )
         return Status.FAILED if updated else None
 
@@ -166,4 +187,3 @@ class JobQueue:
     def jobs_by_run(self, run_id: uuid.UUID) -> list[WorkflowJob]:
         """Every job of the run, any status (DM-48)."""
         return list(WorkflowJob.objects.filter(workflow_run_id=run_id).order_by("id"))
-

@@ -103,8 +103,14 @@ class KernelStageServices:
         lvl = _LEVELS.get(level.upper())
         if lvl is None:
             raise ValueError(f"log level must be one of DEBUG, INFO, WARN, ERROR; got {level!r}")
-        write_log(self.clock.now(), lvl, message, run_id=self.run_id, stage_pk=self.stage_pk,
-                  metadata=meta)
+        write_log(
+            self.clock.now(),
+            lvl,
+            message,
+            run_id=self.run_id,
+            stage_pk=self.stage_pk,
+            metadata=meta,
+        )
 
     def progress(self, progress: float, message: str, details: dict[str, Any] | None) -> None:
         mono = time.monotonic()

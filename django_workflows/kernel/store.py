@@ -83,9 +83,7 @@ def create_missing_stages(
     return [existing[n.stage.id] for n in nodes]
 
 
-def load_outputs(
-    blobs: BlobStore, records: Iterable[WorkflowStage]
-) -> dict[str, Any]:
+def load_outputs(blobs: BlobStore, records: Iterable[WorkflowStage]) -> dict[str, Any]:
     """``{stage_id: output}`` for COMPLETED records, read from the blob store in one call
     (WF-14). A record whose ``output_data`` has no ``_artifactKey`` contributes that object.
 
@@ -137,7 +135,11 @@ def write_log(
     """Append a log row; failures are logged and swallowed (WF-17)."""
     try:
         WorkflowLog.objects.create(
-            created_at=now, run_id=run_id, stage_id=stage_pk, level=level, message=message,
+            created_at=now,
+            run_id=run_id,
+            stage_id=stage_pk,
+            level=level,
+            message=message,
             metadata=metadata,
         )
     except Exception:  # logs must never break the engine
@@ -182,9 +184,16 @@ def write_annotations(
         if item.emit_event:
             events.append(
                 ev.event(
-                    ev.ANNOTATION_CREATED, run_id, now, key=item.key, value=item.value,
-                    scope=scope, scope_id=scope_id, attempt=attempt,
-                    actor_kind=actor.get("kind"), actor_id=actor.get("id"),
+                    ev.ANNOTATION_CREATED,
+                    run_id,
+                    now,
+                    key=item.key,
+                    value=item.value,
+                    scope=scope,
+                    scope_id=scope_id,
+                    attempt=attempt,
+                    actor_kind=actor.get("kind"),
+                    actor_id=actor.get("id"),
                     actor_version=actor.get("version"),
                 )
             )

@@ -53,8 +53,9 @@ class CollectingSink(PluginRunner):
         self.events.append(event)
 
     def types(self, run_id: Any = None) -> list[str]:
-        return [e["type"] for e in self.events
-                if run_id is None or e["workflow_run_id"] == str(run_id)]
+        return [
+            e["type"] for e in self.events if run_id is None or e["workflow_run_id"] == str(run_id)
+        ]
 
 
 def make_kernel(

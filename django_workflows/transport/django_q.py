@@ -90,8 +90,9 @@ def ticker(run_seconds: float | None = None) -> dict[str, Any]:
     close_old_connections()
     kernel = get_kernel()
     owner = worker_id() + "-ticker"
-    duration = float(run_seconds if run_seconds is not None
-                      else workflow_settings.TICKER_RUN_SECONDS)
+    duration = float(
+        run_seconds if run_seconds is not None else workflow_settings.TICKER_RUN_SECONDS
+    )
     interval = float(workflow_settings.TICK_INTERVAL_SECONDS)
     if not acquire_lease(kernel, TICKER_LEASE, owner, duration + 30):
         return {"ticks": 0, "skipped": True}

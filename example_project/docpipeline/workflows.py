@@ -125,8 +125,9 @@ class ReportOutput(BaseModel):
 # --- stages ------------------------------------------------------------------------------------
 
 
-@stage(id="discover", name="Discover installed distributions", input=ReportInput,
-       output=DiscoverOutput)
+@stage(
+    id="discover", name="Discover installed distributions", input=ReportInput, output=DiscoverOutput
+)
 def discover(ctx: StageContext[ReportInput, Any]) -> DiscoverOutput:
     """Read the METADATA document of every installed distribution."""
     seen: set[str] = set()
@@ -147,8 +148,9 @@ def discover(ctx: StageContext[ReportInput, Any]) -> DiscoverOutput:
     return DiscoverOutput(documents=docs)
 
 
-@stage(id="parse-metadata", name="Parse metadata headers", input=DiscoverOutput,
-       output=ParsedMetadata)
+@stage(
+    id="parse-metadata", name="Parse metadata headers", input=DiscoverOutput, output=ParsedMetadata
+)
 def parse_metadata(ctx: StageContext[DiscoverOutput, Any]) -> ParsedMetadata:
     """Parse each METADATA document as the RFC 822 message it is."""
     packages = []
@@ -171,8 +173,13 @@ def parse_metadata(ctx: StageContext[DiscoverOutput, Any]) -> ParsedMetadata:
     return ParsedMetadata(packages=packages)
 
 
-@stage(id="text-stats", name="Description text statistics", input=DiscoverOutput,
-       output=TextStats, config=TextStatsConfig)
+@stage(
+    id="text-stats",
+    name="Description text statistics",
+    input=DiscoverOutput,
+    output=TextStats,
+    config=TextStatsConfig,
+)
 def text_stats(ctx: StageContext[DiscoverOutput, TextStatsConfig]) -> TextStats:
     """Word counts over the long descriptions (the body of each METADATA document)."""
     counter: Counter[str] = Counter()
@@ -227,8 +234,9 @@ def compute_dependency_graph(
         standalone=sorted(names[k] for k, v in forward.items() if not v and not reverse[names[k]]),
         missing=sorted(missing),
     )
-    storage = RunScopedStorage(DatabaseBlobStore(), workflow_type, uuid.UUID(run_id),
-                               "dependency-graph")
+    storage = RunScopedStorage(
+        DatabaseBlobStore(), workflow_type, uuid.UUID(run_id), "dependency-graph"
+    )
     storage.save(result_key, graph.model_dump(mode="json"))
     return graph.edges
 
@@ -241,7 +249,10 @@ def submit_graph(ctx: StageContext[AnalysisInput, GraphConfig]) -> Suspend:
     packages = [p.model_dump() for p in ctx.input.parse_metadata.packages]
     task_id = async_task(
         "example_project.docpipeline.workflows.compute_dependency_graph",
-        ctx.workflow_run_id, ctx.workflow_id, result_key, packages,
+        ctx.workflow_run_id,
+        ctx.workflow_id,
+        result_key,
+        packages,
         q_options={"task_name": f"dependency-graph-{ctx.workflow_run_id}"},
     )
     ctx.log("INFO", "submitted dependency graph task", task_id=task_id)
@@ -270,8 +281,13 @@ dependency_graph = define_async_batch_stage(
 )
 
 
-@stage(id="report", name="Write the report", input=DependencyGraph, output=ReportOutput,
-       dependencies=["parse-metadata", "text-stats", "dependency-graph"])
+@stage(
+    id="report",
+    name="Write the report",
+    input=DependencyGraph,
+    output=ReportOutput,
+    dependencies=["parse-metadata", "text-stats", "dependency-graph"],
+)
 def report(ctx: StageContext[DependencyGraph, Any]) -> ReportOutput:
     """Write a Markdown report and return a summary."""
     graph = ctx.input
@@ -313,8 +329,13 @@ def report(ctx: StageContext[DependencyGraph, Any]) -> ReportOutput:
     path.write_text("\n".join(lines), encoding="utf-8")
     ctx.progress(100, f"report written to {path}")
     top = graph.most_depended_on[0][0] if graph.most_depended_on else None
-    return ReportOutput(report_path=str(path), packages=graph.packages, edges=graph.edges,
-                        total_words=stats.total_words, top_dependency=top)
+    return ReportOutput(
+        report_path=str(path),
+        packages=graph.packages,
+        edges=graph.edges,
+        total_words=stats.total_words,
+        top_dependency=top,
+    )
 
 
 package_report = register(
@@ -353,6 +374,4 @@ def flaky(ctx: StageContext[Any, FlakyConfig]) -> FlakyOutput:
     return FlakyOutput(deliveries=seen + 1)
 
 
-flaky_demo = register(
-    define_workflow(id="flaky-demo", name="Retry demo").pipe(flaky).build()
-)
+flaky_demo = register(define_workflow(id="flaky-demo", name="Retry demo").pipe(flaky).build())

@@ -17,8 +17,13 @@ def test_two_stage_run_completes(kernel_for, sink):
     assert run.status == Status.COMPLETED
     assert run.output == {"value": 12}
     assert sink.types(run.pk) == [
-        "workflow:created", "workflow:started", "stage:started", "stage:completed",
-        "stage:started", "stage:completed", "workflow:completed",
+        "workflow:created",
+        "workflow:started",
+        "stage:started",
+        "stage:completed",
+        "stage:started",
+        "stage:completed",
+        "workflow:completed",
     ]
 
 

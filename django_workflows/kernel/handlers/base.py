@@ -18,7 +18,9 @@ class HandlerOutput:
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
-def enqueue_stage_jobs(queue: JobQueue, run: WorkflowRun, records: list[WorkflowStage]) -> list[int]:
+def enqueue_stage_jobs(
+    queue: JobQueue, run: WorkflowRun, records: list[WorkflowStage]
+) -> list[int]:
     """Enqueue one job per PENDING record (K-CP-4, K-TR-6): priority = run priority, payload =
     ``{"config": run.config}`` (WF-45).
     """

@@ -83,10 +83,12 @@ def handle(kernel: Kernel, cmd: ExecuteJob) -> ExecuteJobResult:
     records = stages_of(run_id)
     record = next((r for r in records if r.stage_id == node.stage.id), None)
     if record is not None and record.status == Status.COMPLETED:
-        return ExecuteJobResult("completed", output=load_outputs(kernel.blobs, [record]).get(
-            node.stage.id))
+        return ExecuteJobResult(
+            "completed", output=load_outputs(kernel.blobs, [record]).get(node.stage.id)
+        )
     earlier = [
-        r for r in records
+        r
+        for r in records
         if r.execution_group < node.execution_group and r.status == Status.COMPLETED
     ]
     raw_outputs = load_outputs(kernel.blobs, earlier)
@@ -98,23 +100,43 @@ def handle(kernel: Kernel, cmd: ExecuteJob) -> ExecuteJobResult:
             require_running(run_id)
             record = _start_stage(run, node, record, cmd.config, start)
             append_events(
-                [ev.event(ev.STAGE_STARTED, run_id, start, stage_id=node.stage.id,
-                          stage_name=node.stage.name, stage_number=node.stage_number)],
-                causation, start,
+                [
+                    ev.event(
+                        ev.STAGE_STARTED,
+                        run_id,
+                        start,
+                        stage_id=node.stage.id,
+                        stage_name=node.stage.name,
+                        stage_number=node.stage_number,
+                    )
+                ],
+                causation,
+                start,
             )
     except RunNotRunningError as exc:
         return _ghost(exc)
 
     # Phase 2
     services = KernelStageServices(
-        clock=kernel.clock, blobs=kernel.blobs, workflow_type=run.workflow_type, run_id=run_id,
-        stage_id=node.stage.id, stage_pk=record.pk,
+        clock=kernel.clock,
+        blobs=kernel.blobs,
+        workflow_type=run.workflow_type,
+        run_id=run_id,
+        stage_id=node.stage.id,
+        stage_pk=record.pk,
     )
-    outcome = _execute(kernel, workflow, node, run, record, cmd, raw_outputs, resume_state,
-                       services, start)
+    outcome = _execute(
+        kernel, workflow, node, run, record, cmd, raw_outputs, resume_state, services, start
+    )
     for warning in outcome.warnings:
-        write_log(kernel.clock.now(), "WARN", warning, run_id=run_id, stage_pk=record.pk,
-                  metadata={"stage_id": node.stage.id})
+        write_log(
+            kernel.clock.now(),
+            "WARN",
+            warning,
+            run_id=run_id,
+            stage_pk=record.pk,
+            metadata={"stage_id": node.stage.id},
+        )
 
     # Phase 3
     try:
@@ -129,44 +151,77 @@ def handle(kernel: Kernel, cmd: ExecuteJob) -> ExecuteJobResult:
             else:
                 result = _complete(kernel, run, node, record, outcome, start, now, events)
             events += write_annotations(
-                run_id, outcome.annotations, now=now, scope="stage", scope_id=node.stage.id,
-                stage_pk=record.pk, attempt=record.attempt,
+                run_id,
+                outcome.annotations,
+                now=now,
+                scope="stage",
+                scope_id=node.stage.id,
+                stage_pk=record.pk,
+                attempt=record.attempt,
             )
             append_events(events, causation, now)
     except RunNotRunningError as exc:
         return _ghost(exc, after=True)
     if result.outcome == "failed":
-        write_log(kernel.clock.now(), "ERROR", f"Stage {node.stage.id} failed: {result.error}",
-                  run_id=run_id, stage_pk=record.pk)
+        write_log(
+            kernel.clock.now(),
+            "ERROR",
+            f"Stage {node.stage.id} failed: {result.error}",
+            run_id=run_id,
+            stage_pk=record.pk,
+        )
     return result
 
 
 def _start_stage(
-    run: WorkflowRun, node: StageNode, record: WorkflowStage | None,
-    config: dict[str, Any], now: datetime,
+    run: WorkflowRun,
+    node: StageNode,
+    record: WorkflowStage | None,
+    config: dict[str, Any],
+    now: datetime,
 ) -> WorkflowStage:
     """Upsert the record to RUNNING (K-JE-6), clearing the previous attempt (Part I item 9)."""
     fields: dict[str, Any] = dict(
-        status=Status.RUNNING, started_at=now, completed_at=None, duration_ms=None,
-        error_message=None, suspended_state=None, next_poll_at=None, poll_interval_ms=None,
-        max_wait_until=None, progress=None, progress_message="",
+        status=Status.RUNNING,
+        started_at=now,
+        completed_at=None,
+        duration_ms=None,
+        error_message=None,
+        suspended_state=None,
+        next_poll_at=None,
+        poll_interval_ms=None,
+        max_wait_until=None,
+        progress=None,
+        progress_message="",
     )
     if record is not None and update_stage(record.pk, now, **fields):
         for name, value in fields.items():
             setattr(record, name, value)
         return record
     return WorkflowStage.objects.create(
-        created_at=now, updated_at=now, run=run, stage_id=node.stage.id,
-        stage_name=node.stage.name, stage_number=node.stage_number,
-        execution_group=node.execution_group, config=(config or {}).get(node.stage.id) or {},
+        created_at=now,
+        updated_at=now,
+        run=run,
+        stage_id=node.stage.id,
+        stage_name=node.stage.name,
+        stage_number=node.stage_number,
+        execution_group=node.execution_group,
+        config=(config or {}).get(node.stage.id) or {},
         **fields,
     )
 
 
 def _execute(
-    kernel: Kernel, workflow: Workflow, node: StageNode, run: WorkflowRun, record: WorkflowStage,
-    cmd: ExecuteJob, raw_outputs: dict[str, Any], resume_state: Any,
-    services: KernelStageServices, start: datetime,
+    kernel: Kernel,
+    workflow: Workflow,
+    node: StageNode,
+    run: WorkflowRun,
+    record: WorkflowStage,
+    cmd: ExecuteJob,
+    raw_outputs: dict[str, Any],
+    resume_state: Any,
+    services: KernelStageServices,
+    start: datetime,
 ) -> ExecutionOutcome:
     group = node.execution_group
     if group == 1:
@@ -183,10 +238,18 @@ def _execute(
         context[stage_id] = producer.load_output(data) if producer else data
     return kernel.executor.run(
         ExecutionInput(
-            workflow=workflow, stage=node.stage, workflow_run_id=str(run.pk),
-            stage_record_id=str(record.pk), stage_number=node.stage_number,
-            attempt=record.attempt, raw_input=raw_input, config=cmd.config or run.config or {},
-            resume_state=resume_state, workflow_context=context, services=services, now=start,
+            workflow=workflow,
+            stage=node.stage,
+            workflow_run_id=str(run.pk),
+            stage_record_id=str(record.pk),
+            stage_number=node.stage_number,
+            attempt=record.attempt,
+            raw_input=raw_input,
+            config=cmd.config or run.config or {},
+            resume_state=resume_state,
+            workflow_context=context,
+            services=services,
+            now=start,
         )
     )
 
@@ -198,36 +261,85 @@ def _progress_events(run_id: uuid.UUID, outcome: ExecutionOutcome, now: datetime
 
 def _metrics(start: datetime, now: datetime, custom: dict[str, Any] | None) -> dict[str, Any]:
     return {
-        "start_time": start.isoformat(), "end_time": now.isoformat(),
-        "duration_ms": _ms(start, now), **(custom or {}),
+        "start_time": start.isoformat(),
+        "end_time": now.isoformat(),
+        "duration_ms": _ms(start, now),
+        **(custom or {}),
     }
 
 
-def _fail(node: StageNode, record: WorkflowStage, outcome: ExecutionOutcome, start: datetime,
-          now: datetime, events: list[dict[str, Any]]) -> ExecuteJobResult:
-    update_stage(record.pk, now, status=Status.FAILED, completed_at=now,
-                 duration_ms=_ms(start, now), error_message=outcome.error)
-    events.append(ev.event(ev.STAGE_FAILED, record.run_id, now, stage_id=node.stage.id,
-                           stage_name=node.stage.name, error=outcome.error))
+def _fail(
+    node: StageNode,
+    record: WorkflowStage,
+    outcome: ExecutionOutcome,
+    start: datetime,
+    now: datetime,
+    events: list[dict[str, Any]],
+) -> ExecuteJobResult:
+    update_stage(
+        record.pk,
+        now,
+        status=Status.FAILED,
+        completed_at=now,
+        duration_ms=_ms(start, now),
+        error_message=outcome.error,
+    )
+    events.append(
+        ev.event(
+            ev.STAGE_FAILED,
+            record.run_id,
+            now,
+            stage_id=node.stage.id,
+            stage_name=node.stage.name,
+            error=outcome.error,
+        )
+    )
     return ExecuteJobResult("failed", error=outcome.error, retryable=outcome.retryable)
 
 
-def _suspend(node: StageNode, record: WorkflowStage, outcome: ExecutionOutcome, now: datetime,
-             events: list[dict[str, Any]]) -> ExecuteJobResult:
+def _suspend(
+    node: StageNode,
+    record: WorkflowStage,
+    outcome: ExecutionOutcome,
+    now: datetime,
+    events: list[dict[str, Any]],
+) -> ExecuteJobResult:
     s = outcome.suspend
     assert s is not None
-    update_stage(record.pk, now, status=Status.SUSPENDED, suspended_state=s.state,
-                 next_poll_at=s.next_poll_at, poll_interval_ms=s.poll_interval_ms,
-                 max_wait_until=s.max_wait_until, metrics=s.metrics)
-    events.append(ev.event(ev.STAGE_SUSPENDED, record.run_id, now, stage_id=node.stage.id,
-                           stage_name=node.stage.name, next_poll_at=s.next_poll_at.isoformat()))
+    update_stage(
+        record.pk,
+        now,
+        status=Status.SUSPENDED,
+        suspended_state=s.state,
+        next_poll_at=s.next_poll_at,
+        poll_interval_ms=s.poll_interval_ms,
+        max_wait_until=s.max_wait_until,
+        metrics=s.metrics,
+    )
+    events.append(
+        ev.event(
+            ev.STAGE_SUSPENDED,
+            record.run_id,
+            now,
+            stage_id=node.stage.id,
+            stage_name=node.stage.name,
+            next_poll_at=s.next_poll_at.isoformat(),
+        )
+    )
     events.append(ev.event(ev.WORKFLOW_SUSPENDED, record.run_id, now, stage_id=node.stage.id))
     return ExecuteJobResult("suspended", next_poll_at=s.next_poll_at)
 
 
-def _complete(kernel: Kernel, run: WorkflowRun, node: StageNode, record: WorkflowStage,
-              outcome: ExecutionOutcome, start: datetime, now: datetime,
-              events: list[dict[str, Any]]) -> ExecuteJobResult:
+def _complete(
+    kernel: Kernel,
+    run: WorkflowRun,
+    node: StageNode,
+    record: WorkflowStage,
+    outcome: ExecutionOutcome,
+    start: datetime,
+    now: datetime,
+    events: list[dict[str, Any]],
+) -> ExecuteJobResult:
     result = outcome.result
     assert result is not None
     sid = node.stage.id
@@ -235,15 +347,33 @@ def _complete(kernel: Kernel, run: WorkflowRun, node: StageNode, record: Workflo
     blobs: list[tuple[str, Any]] = [(key, outcome.output)]
     output_data: dict[str, Any] = {"_artifactKey": key}
     if result.artifacts:
-        keys = {name: artifact_key(run.workflow_type, str(run.pk), sid, name)
-                for name in result.artifacts}
+        keys = {
+            name: artifact_key(run.workflow_type, str(run.pk), sid, name)
+            for name in result.artifacts
+        }
         blobs += [(keys[name], value) for name, value in result.artifacts.items()]
         output_data["_artifactKeys"] = keys
     kernel.blobs.put_many(blobs, run_id=str(run.pk), stage_id=sid)
     duration = _ms(start, now)
-    update_stage(record.pk, now, status=Status.COMPLETED, completed_at=now, duration_ms=duration,
-                 output_data=output_data, metrics=_metrics(start, now, result.metrics),
-                 embedding_info=result.embeddings, progress=100.0)
-    events.append(ev.event(ev.STAGE_COMPLETED, run.pk, now, stage_id=sid,
-                           stage_name=node.stage.name, duration_ms=duration))
+    update_stage(
+        record.pk,
+        now,
+        status=Status.COMPLETED,
+        completed_at=now,
+        duration_ms=duration,
+        output_data=output_data,
+        metrics=_metrics(start, now, result.metrics),
+        embedding_info=result.embeddings,
+        progress=100.0,
+    )
+    events.append(
+        ev.event(
+            ev.STAGE_COMPLETED,
+            run.pk,
+            now,
+            stage_id=sid,
+            stage_name=node.stage.name,
+            duration_ms=duration,
+        )
+    )
     return ExecuteJobResult("completed", output=outcome.output)

@@ -24,9 +24,9 @@ logger = logging.getLogger("django_workflows.outbox")
 
 
 def handle(kernel: Kernel, cmd: FlushOutbox) -> FlushOutboxResult:
-    blocked = OutboxEvent.objects.filter(
-        dlq_at__isnull=False, published_at__isnull=True
-    ).values("workflow_run_id")
+    blocked = OutboxEvent.objects.filter(dlq_at__isnull=False, published_at__isnull=True).values(
+        "workflow_run_id"
+    )
     rows = list(
         OutboxEvent.objects.filter(published_at__isnull=True, dlq_at__isnull=True)
         .exclude(workflow_run_id__in=blocked)

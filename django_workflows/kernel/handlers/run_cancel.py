@@ -34,7 +34,10 @@ def handle(kernel: Kernel, cmd: CancelRun) -> HandlerOutput:
     WorkflowStage.objects.filter(run_id=run_id).exclude(
         status__in=[Status.COMPLETED, Status.FAILED, Status.CANCELLED]
     ).update(
-        status=Status.CANCELLED, completed_at=now, next_poll_at=None, updated_at=now,
+        status=Status.CANCELLED,
+        completed_at=now,
+        next_poll_at=None,
+        updated_at=now,
         version=F("version") + 1,
     )
     kernel.queue.cancel_by_run(run_id)

@@ -24,15 +24,23 @@ if TYPE_CHECKING:
     from ..dispatch import Kernel
 
 
-def _fail(kernel: Kernel, run: WorkflowRun, code: str, message: str, worker_id: str,
-          events: list[dict[str, Any]]) -> None:
+def _fail(
+    kernel: Kernel,
+    run: WorkflowRun,
+    code: str,
+    message: str,
+    worker_id: str,
+    events: list[dict[str, Any]],
+) -> None:
     now = kernel.clock.now()
     update_run(
-        run.pk, now, status=Status.FAILED, completed_at=now,
+        run.pk,
+        now,
+        status=Status.FAILED,
+        completed_at=now,
         output={"error": {"code": code, "message": message, "worker_id": worker_id}},
     )
-    write_log(now, "ERROR", message, run_id=run.pk,
-              metadata={"worker_id": worker_id, "code": code})
+    write_log(now, "ERROR", message, run_id=run.pk, metadata={"worker_id": worker_id, "code": code})
     events.append(ev.event(ev.WORKFLOW_FAILED, run.pk, now, error=message))
 
 
@@ -48,8 +56,14 @@ def handle(kernel: Kernel, cmd: ClaimPendingRuns) -> HandlerOutput:
         run.status, run.started_at = Status.RUNNING, now
         workflow = kernel.registry.get(run.workflow_id)
         if workflow is None:
-            _fail(kernel, run, "WORKFLOW_NOT_FOUND",
-                  f"Workflow {run.workflow_id!r} not found in registry", cmd.worker_id, events)
+            _fail(
+                kernel,
+                run,
+                "WORKFLOW_NOT_FOUND",
+                f"Workflow {run.workflow_id!r} not found in registry",
+                cmd.worker_id,
+                events,
+            )
             continue
         try:
             with transaction.atomic():  # savepoint: Part I item 2
@@ -58,8 +72,9 @@ def handle(kernel: Kernel, cmd: ClaimPendingRuns) -> HandlerOutput:
                 )
                 job_ids = enqueue_stage_jobs(kernel.queue, run, records)
         except Exception as exc:
-            _fail(kernel, run, "CLAIM_FAILED", f"{type(exc).__name__}: {exc}", cmd.worker_id,
-                  events)
+            _fail(
+                kernel, run, "CLAIM_FAILED", f"{type(exc).__name__}: {exc}", cmd.worker_id, events
+            )
             continue
         events.append(ev.event(ev.WORKFLOW_STARTED, run.pk, now))
         claimed.append(ClaimedRun(str(run.pk), run.workflow_id, job_ids))

@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from ..dispatch import Kernel
 
 
-
 def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
     now = kernel.clock.now()
     since = now - timedelta(seconds=cmd.stuck_threshold_seconds)
@@ -85,7 +84,10 @@ def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
             f"(stuck threshold {threshold:g} s)"
         )
         update_run(
-            run_id, now, status=Status.FAILED, completed_at=now,
+            run_id,
+            now,
+            status=Status.FAILED,
+            completed_at=now,
             output={
                 "error": {
                     "code": "STUCK_RUN_REAPED",

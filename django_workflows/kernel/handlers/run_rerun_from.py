@@ -31,8 +31,7 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
         raise RunNotFoundError(run_id)
     if run.status not in (Status.COMPLETED, Status.FAILED):
         raise RunStateError(
-            f"Cannot rerun workflow run {run_id} in {run.status} state. "
-            "Must be COMPLETED or FAILED"
+            f"Cannot rerun workflow run {run_id} in {run.status} state. Must be COMPLETED or FAILED"
         )
     workflow = kernel.registry.get(run.workflow_id)
     if workflow is None:
@@ -58,8 +57,15 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
     kernel.blobs.delete_stage_blobs(str(run_id), deleted_ids)
     WorkflowStage.objects.filter(pk__in=[r.pk for r in deleted]).delete()
     update_run(
-        run_id, now, status=Status.RUNNING, started_at=now, completed_at=None, duration_ms=None,
-        output=None, total_cost=0, total_tokens=0,
+        run_id,
+        now,
+        status=Status.RUNNING,
+        started_at=now,
+        completed_at=None,
+        duration_ms=None,
+        output=None,
+        total_cost=0,
+        total_tokens=0,
     )
     run.status = Status.RUNNING
     new = create_missing_stages(run, workflow.stages_in_group(target), attempt=attempt, now=now)

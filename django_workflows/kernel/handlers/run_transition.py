@@ -58,7 +58,8 @@ def handle(kernel: Kernel, cmd: TransitionRun) -> HandlerOutput:
     if failed:
         jobs = kernel.queue.jobs_by_run(run_id)
         retrying = {
-            j.stage_id for j in jobs
+            j.stage_id
+            for j in jobs
             if j.status == Status.RUNNING or (j.status == Status.PENDING and j.attempt > 0)
         }
         unretried = [r for r in failed if r.stage_id not in retrying]
@@ -66,7 +67,10 @@ def handle(kernel: Kernel, cmd: TransitionRun) -> HandlerOutput:
             return HandlerOutput(NOOP)
         error = unretried[0].error_message or "Stage failed"
         update_run(
-            run_id, now, status=Status.FAILED, completed_at=now,
+            run_id,
+            now,
+            status=Status.FAILED,
+            completed_at=now,
             duration_ms=_duration_ms(run.started_at, now),
         )
         return HandlerOutput(
@@ -88,15 +92,26 @@ def handle(kernel: Kernel, cmd: TransitionRun) -> HandlerOutput:
     _, output = group_output(workflow, max_group, load_outputs(kernel.blobs, last_group))
     duration = _duration_ms(run.started_at, now)
     update_run(
-        run_id, now, status=Status.COMPLETED, completed_at=now, duration_ms=duration,
-        output=output, total_cost=total_cost, total_tokens=total_tokens,
+        run_id,
+        now,
+        status=Status.COMPLETED,
+        completed_at=now,
+        duration_ms=duration,
+        output=output,
+        total_cost=total_cost,
+        total_tokens=total_tokens,
     )
     return HandlerOutput(
         TransitionRunResult("completed"),
         [
             ev.event(
-                ev.WORKFLOW_COMPLETED, run_id, now, duration_ms=duration, output=output,
-                total_cost=total_cost, total_tokens=total_tokens,
+                ev.WORKFLOW_COMPLETED,
+                run_id,
+                now,
+                duration_ms=duration,
+                output=output,
+                total_cost=total_cost,
+                total_tokens=total_tokens,
             )
         ],
     )

@@ -88,8 +88,12 @@ def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
         return _write(kernel, record, lambda now, events: _fail_both(record, reason, now, events))
 
     services = KernelStageServices(
-        clock=kernel.clock, blobs=kernel.blobs, workflow_type=run.workflow_type,
-        run_id=run.pk, stage_id=record.stage_id, stage_pk=record.pk,
+        clock=kernel.clock,
+        blobs=kernel.blobs,
+        workflow_type=run.workflow_type,
+        run_id=run.pk,
+        stage_id=record.stage_id,
+        stage_pk=record.pk,
     )
     config_raw = record.config or {}
     try:
@@ -97,8 +101,13 @@ def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
     except ValidationError:
         config = stage.config_model.model_construct(**config_raw)
     ctx = CompletionContext(
-        workflow_run_id=str(run.pk), workflow_id=run.workflow_id, stage_id=record.stage_id,
-        stage_record_id=str(record.pk), attempt=record.attempt, services=services, config=config,
+        workflow_run_id=str(run.pk),
+        workflow_id=run.workflow_id,
+        stage_id=record.stage_id,
+        stage_record_id=str(record.pk),
+        attempt=record.attempt,
+        services=services,
+        config=config,
     )
     try:
         check = stage.check_completion(record.suspended_state or {}, ctx)
@@ -122,18 +131,27 @@ def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
                 record,
                 f"Stage {record.stage_id!r} did not complete before its maxWaitUntil "
                 f"({record.max_wait_until.isoformat()})",
-                now, events,
+                now,
+                events,
             )
         else:
             delay_s = check.next_check_in_seconds
             if delay_s is None:
-                delay_s = (record.poll_interval_ms / 1000 if record.poll_interval_ms
-                           else float(workflow_settings.SUSPEND_FALLBACK_SECONDS))
+                delay_s = (
+                    record.poll_interval_ms / 1000
+                    if record.poll_interval_ms
+                    else float(workflow_settings.SUSPEND_FALLBACK_SECONDS)
+                )
             _update_suspended(record, now, next_poll_at=now + timedelta(seconds=delay_s))
             outcome = "rescheduled"
         events += write_annotations(
-            run.pk, annotations, now=now, scope="stage", scope_id=record.stage_id,
-            stage_pk=record.pk, attempt=record.attempt,
+            run.pk,
+            annotations,
+            now=now,
+            scope="stage",
+            scope_id=record.stage_id,
+            stage_pk=record.pk,
+            attempt=record.attempt,
         )
         return outcome
 
@@ -179,28 +197,55 @@ def _update_suspended(record: WorkflowStage, now: datetime, **fields: Any) -> No
         raise _Stale()
 
 
-def _fail_both(record: WorkflowStage, error: str, now: datetime,
-               events: list[dict[str, Any]]) -> str:
+def _fail_both(
+    record: WorkflowStage, error: str, now: datetime, events: list[dict[str, Any]]
+) -> str:
     """Stage FAILED + run FAILED in one transaction (K-PS-6.1); its job FAILED (Part I item 9)."""
-    _update_suspended(record, now, status=Status.FAILED, completed_at=now, error_message=error,
-                      next_poll_at=None, duration_ms=_ms(record.started_at, now))
+    _update_suspended(
+        record,
+        now,
+        status=Status.FAILED,
+        completed_at=now,
+        error_message=error,
+        next_poll_at=None,
+        duration_ms=_ms(record.started_at, now),
+    )
     run = record.run
-    update_run(run.pk, now, status=Status.FAILED, completed_at=now,
-               duration_ms=_ms(run.started_at, now))
+    update_run(
+        run.pk, now, status=Status.FAILED, completed_at=now, duration_ms=_ms(run.started_at, now)
+    )
     WorkflowJob.objects.filter(
         workflow_run_id=run.pk, stage_id=record.stage_id, status=Status.SUSPENDED
     ).update(status=Status.FAILED, completed_at=now, updated_at=now, last_error=error)
-    events.append(ev.event(ev.STAGE_FAILED, run.pk, now, stage_id=record.stage_id,
-                           stage_name=record.stage_name, error=error))
+    events.append(
+        ev.event(
+            ev.STAGE_FAILED,
+            run.pk,
+            now,
+            stage_id=record.stage_id,
+            stage_name=record.stage_name,
+            error=error,
+        )
+    )
     events.append(ev.event(ev.WORKFLOW_FAILED, run.pk, now, error=error))
     return "failed"
 
 
-def _resume(kernel: Kernel, run: WorkflowRun, stage: Any, record: WorkflowStage,
-            check: CompletionCheck, now: datetime, events: list[dict[str, Any]]) -> str:
+def _resume(
+    kernel: Kernel,
+    run: WorkflowRun,
+    stage: Any,
+    record: WorkflowStage,
+    check: CompletionCheck,
+    now: datetime,
+    events: list[dict[str, Any]],
+) -> str:
     """Stage COMPLETED from a ready check (K-PS-6.2); its SUSPENDED job COMPLETED (SM-26)."""
     fields: dict[str, Any] = dict(
-        status=Status.COMPLETED, completed_at=now, next_poll_at=None, progress=100.0,
+        status=Status.COMPLETED,
+        completed_at=now,
+        next_poll_at=None,
+        progress=100.0,
         duration_ms=_ms(record.started_at, now),
     )
     if check.output is not UNSET:
@@ -208,10 +253,14 @@ def _resume(kernel: Kernel, run: WorkflowRun, stage: Any, record: WorkflowStage,
             output = stage.parse_output(check.output)
         except ValidationError as exc:
             output = to_json_value(check.output)
-            write_log(now, "WARN",
-                      f"Stage {record.stage_id!r}: completion output failed validation, "
-                      f"stored as returned: {format_validation_error(exc)}",
-                      run_id=run.pk, stage_pk=record.pk)
+            write_log(
+                now,
+                "WARN",
+                f"Stage {record.stage_id!r}: completion output failed validation, "
+                f"stored as returned: {format_validation_error(exc)}",
+                run_id=run.pk,
+                stage_pk=record.pk,
+            )
         key = output_key(run.workflow_type, str(run.pk), record.stage_id)
         kernel.blobs.put(key, output, run_id=str(run.pk), stage_id=record.stage_id)
         fields["output_data"] = {"_artifactKey": key}
@@ -223,8 +272,16 @@ def _resume(kernel: Kernel, run: WorkflowRun, stage: Any, record: WorkflowStage,
     WorkflowJob.objects.filter(
         workflow_run_id=run.pk, stage_id=record.stage_id, status=Status.SUSPENDED
     ).update(status=Status.COMPLETED, completed_at=now, updated_at=now)
-    events.append(ev.event(ev.STAGE_COMPLETED, run.pk, now, stage_id=record.stage_id,
-                           stage_name=record.stage_name, duration_ms=fields["duration_ms"]))
+    events.append(
+        ev.event(
+            ev.STAGE_COMPLETED,
+            run.pk,
+            now,
+            stage_id=record.stage_id,
+            stage_name=record.stage_name,
+            duration_ms=fields["duration_ms"],
+        )
+    )
     return "resumed"
 
 
@@ -232,7 +289,10 @@ def _cancel_stage(kernel: Kernel, record: WorkflowStage) -> None:
     """A suspended stage of a run that is no longer RUNNING is CANCELLED (K-PS-2/5). No event."""
     now = kernel.clock.now()
     WorkflowStage.objects.filter(pk=record.pk, status=Status.SUSPENDED).update(
-        status=Status.CANCELLED, completed_at=now, next_poll_at=None, updated_at=now,
+        status=Status.CANCELLED,
+        completed_at=now,
+        next_poll_at=None,
+        updated_at=now,
         version=F("version") + 1,
     )
     WorkflowJob.objects.filter(
