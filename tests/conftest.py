@@ -7,7 +7,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from django.db import connection
 
 from django_workflows.definition import Workflow
 from django_workflows.kernel import Kernel
@@ -49,21 +48,3 @@ def kernel_for(
         return make_kernel(*workflows, clock=clock, event_sink=sink, transport=transport, **kwargs)
 
     return build
-
-
-def is_postgres() -> bool:
-    return connection.vendor == "postgresql"
-
-
-postgres_only = pytest.mark.skipif(
-    "not config.getoption('--postgres-tests')", reason="PostgreSQL-only"
-)
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--postgres-tests",
-        action="store_true",
-        default=False,
-        help="the run is against PostgreSQL: also run the locking tests",
-    )
