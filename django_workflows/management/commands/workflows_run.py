@@ -1,0 +1,178 @@
+"""``manage.py workflows_run <workflow_id>``: start a run, optionally wait for it with live
+per-stage progress.
+
+Examples::
+
+    manage.py workflows_run package-report --input '{"limit": 50}' --wait
+    manage.py workflows_run package-report --input @input.json --config @config.json
+    manage.py workflows_run flaky-demo --priority 9 --idempotency-key nightly-2026-11-29
+
+Exit status with ``--wait``: 0 when the run COMPLETED; 1 (with the error) when it FAILED, was
+CANCELLED, or did not finish within ``--timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_workflows.kernel import AnnotationSpec, CreateRun, WorkflowError
+from django_workflows.kernel.runtime import get_kernel
+from django_workflows.models import TERMINAL_RUN_STATUSES, Status, WorkflowRun, WorkflowStage
+
+
+def load_json_argument(value: str | None, option: str) -> Any:
+    """Parse ``value`` as JSON, or the file named after ``@``. Raises CommandError naming
+    ``option``.
+    """
+    if value is None:
+        return None
+    text = value
+    if value.startswith("@"):
+        path = Path(value[1:])
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise CommandError(f"{option}: cannot read {path}: {exc.strerror}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CommandError(f"{option}: invalid JSON ({exc.msg} at line {exc.lineno} column "
+                           f"{exc.colno})") from None
+
+
+def run_error(run: WorkflowRun) -> str:
+    """The most useful error text of a failed run: its output error or its failed stage."""
+    error = (run.output or {}).get("error") if isinstance(run.output, dict) else None
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])
+    stage = (
+        WorkflowStage.objects.filter(run=run, status=Status.FAILED)
+        .exclude(error_message=None)
+        .order_by("execution_group", "stage_number")
+        .first()
+    )
+    if stage is not None:
+        return f"stage {stage.stage_id}: {stage.error_message}"
+    return "no error recorded"
+
+
+class Command(BaseCommand):
+    help = "Start a workflow run; with --wait, follow its stages until it finishes."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("workflow_id", help="id of a registered workflow (see workflows_list)")
+        parser.add_argument("--input", default="{}",
+                            help="workflow input as JSON, or @path to a JSON file (default {})")
+        parser.add_argument("--config", default=None,
+                            help="per-stage config {stage_id: {...}} as JSON or @path")
+        parser.add_argument("--priority", type=int, default=5,
+                            help="higher runs sooner (default 5)")
+        parser.add_argument("--idempotency-key", default=None,
+                            help="a repeated key returns the first run instead of a new one")
+        parser.add_argument("--annotate", action="append", default=[], metavar="KEY=VALUE",
+                            help="run-scope annotation (repeatable); VALUE is JSON or a string")
+        parser.add_argument("--wait", action="store_true",
+                            help="follow the run until it is COMPLETED, FAILED or CANCELLED")
+        parser.add_argument("--timeout", type=float, default=None,
+                            help="with --wait: give up after this many seconds")
+        parser.add_argument("--poll-interval", type=float, default=0.5,
+                            help="with --wait: seconds between status reads (default 0.5)")
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        payload = load_json_argument(opts["input"], "--input")
+        config = load_json_argument(opts["config"], "--config")
+        annotations = self._annotations(opts["annotate"])
+        try:
+            result = get_kernel().dispatch(
+                CreateRun(
+                    workflow_id=opts["workflow_id"],
+                    input=payload,
+                    config=config,
+                    priority=opts["priority"],
+                    idempotency_key=opts["idempotency_key"],
+                    annotations=annotations,
+                )
+            )
+        except WorkflowError as exc:
+            raise CommandError(str(exc)) from None
+        run_id = result.workflow_run_id
+        self.stdout.write(f"run {run_id} created ({opts['workflow_id']})")
+        if opts["wait"]:
+            self._wait(run_id, opts["timeout"], opts["poll_interval"])
+
+    def _annotations(self, items: list[str]) -> tuple[AnnotationSpec, ...]:
+        attributes: dict[str, Any] = {}
+        for item in items:
+            key, sep, raw = item.partition("=")
+            if not sep or not key:
+                raise CommandError(f"--annotate: expected KEY=VALUE, got {item!r}")
+            try:
+                attributes[key] = json.loads(raw)
+            except json.JSONDecodeError:
+                attributes[key] = raw
+        if not attributes:
+            return ()
+        return (AnnotationSpec(attributes=attributes, actor={"kind": "cli", "id": "workflows_run"}),)
+
+    def _wait(self, run_id: str, timeout: float | None, interval: float) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seen: dict[str, tuple[str, int]] = {}
+        status = ""
+        total = None
+        while True:
+            run = WorkflowRun.objects.get(pk=run_id)
+            if total is None:
+                total = self._stage_total(run)
+            if run.status != status:
+                status = run.status
+                self.stdout.write(f"run {run_id} {status}")
+            for stage in WorkflowStage.objects.filter(run_id=run_id).order_by(
+                "execution_group", "stage_number"
+            ):
+                pct = int(stage.progress or 0)
+                key = (stage.status, pct if stage.status == Status.RUNNING else -1)
+                if seen.get(stage.stage_id) == key:
+                    continue
+                seen[stage.stage_id] = key
+                self.stdout.write(self._stage_line(stage, total))
+            self.stdout.flush()
+            if run.status in TERMINAL_RUN_STATUSES:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise CommandError(f"run {run_id} still {run.status} after {timeout:g} s")
+            time.sleep(interval)
+        if run.status == Status.COMPLETED:
+            seconds = (run.duration_ms or 0) / 1000
+            self.stdout.write(self.style.SUCCESS(f"run {run_id} COMPLETED in {seconds:.1f} s"))
+            self.stdout.write(json.dumps(run.output, indent=2, default=str))
+            return
+        raise CommandError(f"run {run_id} {run.status}: {run_error(run)}")
+
+    def _stage_total(self, run: WorkflowRun) -> int:
+        from django_workflows.definition.registry import registry
+
+        workflow = registry.get(run.workflow_id)
+        return len(workflow.stage_ids) if workflow else 0
+
+    def _stage_line(self, stage: WorkflowStage, total: int) -> str:
+        width = 20
+        head = f"  [{stage.stage_number}/{total}] {stage.stage_id:<22} {stage.status:<9}"
+        if stage.status == Status.RUNNING:
+            pct = max(0.0, min(100.0, stage.progress or 0.0))
+            filled = int(width * pct / 100)
+            bar = "#" * filled + "." * (width - filled)
+            return f"{head} [{bar}] {pct:5.1f}% {stage.progress_message}".rstrip()
+        if stage.status == Status.COMPLETED:
+            return f"{head} {(stage.duration_ms or 0) / 1000:.2f} s"
+        if stage.status == Status.SUSPENDED:
+            when = stage.next_poll_at.strftime("%H:%M:%S") if stage.next_poll_at else "?"
+            return f"{head} waiting (next poll {when})"
+        if stage.status == Status.FAILED:
+            return f"{head} {stage.error_message or ''}".rstrip()
+        return head
+
