@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -29,7 +30,11 @@ def acquire(
     re-stamped (one racer wins) -> ``acquired``; otherwise ``in_progress``.
     """
     try:
-        with transaction.atomic():
+        # Inside a transaction a savepoint keeps a duplicate-key error from poisoning it; in
+        # autocommit mode the single INSERT is atomic on its own.
+        with (
+            transaction.atomic() if transaction.get_connection().in_atomic_block else nullcontext()
+        ):
             IdempotencyKey.objects.create(key=key, command_type=command_type, created_at=now)
         return Acquired("acquired")
     except IntegrityError:

@@ -50,17 +50,21 @@ def stages_of(run_id: uuid.UUID) -> list[WorkflowStage]:
 
 
 def create_missing_stages(
-    run: WorkflowRun, nodes: Sequence[StageNode], *, attempt: int, now: datetime
+    run: WorkflowRun,
+    nodes: Sequence[StageNode],
+    *,
+    attempt: int,
+    now: datetime,
+    records: Iterable[WorkflowStage] | None = None,
 ) -> list[WorkflowStage]:
     """Upsert PENDING records for ``nodes`` (K-CP-4, K-TR-3/6): existing records are kept as
-    they are (EC-3). Returns the records of ``nodes``, existing or new, in node order.
+    they are (EC-3). ``records``: the run's records when the caller has already read them.
+    Returns the records of ``nodes``, existing or new, in node order.
     """
-    existing = {
-        s.stage_id: s
-        for s in WorkflowStage.objects.filter(
-            run_id=run.pk, stage_id__in=[n.stage.id for n in nodes]
-        )
-    }
+    ids = {n.stage.id for n in nodes}
+    if records is None:
+        records = WorkflowStage.objects.filter(run_id=run.pk, stage_id__in=ids)
+    existing = {s.stage_id: s for s in records if s.stage_id in ids}
     config = run.config or {}
     new = [
         WorkflowStage(

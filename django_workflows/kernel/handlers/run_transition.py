@@ -81,7 +81,7 @@ def handle(kernel: Kernel, cmd: TransitionRun) -> HandlerOutput:
     next_nodes = workflow.stages_in_group(max_group + 1)
     if next_nodes:
         attempt = max(r.attempt for r in records)
-        new = create_missing_stages(run, next_nodes, attempt=attempt, now=now)
+        new = create_missing_stages(run, next_nodes, attempt=attempt, now=now, records=records)
         update_run(run_id, now)
         enqueue_stage_jobs(kernel.queue, run, new)
         return HandlerOutput(TransitionRunResult("advanced", max_group + 1))
