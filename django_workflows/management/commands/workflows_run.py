@@ -24,6 +24,8 @@ from django_workflows.kernel import AnnotationSpec, CreateRun, WorkflowError
 from django_workflows.kernel.runtime import get_kernel
 from django_workflows.models import TERMINAL_RUN_STATUSES, Status, WorkflowRun, WorkflowStage
 
+from ._common import run_error
+
 
 def load_json_argument(value: str | None, option: str) -> Any:
     """Parse ``value`` as JSON, or the file named after ``@``. Raises CommandError naming
@@ -41,24 +43,9 @@ def load_json_argument(value: str | None, option: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise CommandError(f"{option}: invalid JSON ({exc.msg} at line {exc.lineno} column "
-                           f"{exc.colno})") from None
-
-
-def run_error(run: WorkflowRun) -> str:
-    """The most useful error text of a failed run: its output error or its failed stage."""
-    error = (run.output or {}).get("error") if isinstance(run.output, dict) else None
-    if isinstance(error, dict) and error.get("message"):
-        return str(error["message"])
-    stage = (
-        WorkflowStage.objects.filter(run=run, status=Status.FAILED)
-        .exclude(error_message=None)
-        .order_by("execution_group", "stage_number")
-        .first()
-    )
-    if stage is not None:
-        return f"stage {stage.stage_id}: {stage.error_message}"
-    return "no error recorded"
+        raise CommandError(
+            f"{option}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from None
 
 
 class Command(BaseCommand):
@@ -66,22 +53,46 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("workflow_id", help="id of a registered workflow (see workflows_list)")
-        parser.add_argument("--input", default="{}",
-                            help="workflow input as JSON, or @path to a JSON file (default {})")
-        parser.add_argument("--config", default=None,
-                            help="per-stage config {stage_id: {...}} as JSON or @path")
-        parser.add_argument("--priority", type=int, default=5,
-                            help="higher runs sooner (default 5)")
-        parser.add_argument("--idempotency-key", default=None,
-                            help="a repeated key returns the first run instead of a new one")
-        parser.add_argument("--annotate", action="append", default=[], metavar="KEY=VALUE",
-                            help="run-scope annotation (repeatable); VALUE is JSON or a string")
-        parser.add_argument("--wait", action="store_true",
-                            help="follow the run until it is COMPLETED, FAILED or CANCELLED")
-        parser.add_argument("--timeout", type=float, default=None,
-                            help="with --wait: give up after this many seconds")
-        parser.add_argument("--poll-interval", type=float, default=0.5,
-                            help="with --wait: seconds between status reads (default 0.5)")
+        parser.add_argument(
+            "--input",
+            default="{}",
+            help="workflow input as JSON, or @path to a JSON file (default {})",
+        )
+        parser.add_argument(
+            "--config", default=None, help="per-stage config {stage_id: {...}} as JSON or @path"
+        )
+        parser.add_argument(
+            "--priority", type=int, default=5, help="higher runs sooner (default 5)"
+        )
+        parser.add_argument(
+            "--idempotency-key",
+            default=None,
+            help="a repeated key returns the first run instead of a new one",
+        )
+        parser.add_argument(
+            "--annotate",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="run-scope annotation (repeatable); VALUE is JSON or a string",
+        )
+        parser.add_argument(
+            "--wait",
+            action="store_true",
+            help="follow the run until it is COMPLETED, FAILED or CANCELLED",
+        )
+        parser.add_argument(
+            "--timeout",
+            type=float,
+            default=None,
+            help="with --wait: give up after this many seconds",
+        )
+        parser.add_argument(
+            "--poll-interval",
+            type=float,
+            default=0.5,
+            help="with --wait: seconds between status reads (default 0.5)",
+        )
 
     def handle(self, *args: Any, **opts: Any) -> None:
         payload = load_json_argument(opts["input"], "--input")
@@ -117,7 +128,9 @@ class Command(BaseCommand):
                 attributes[key] = raw
         if not attributes:
             return ()
-        return (AnnotationSpec(attributes=attributes, actor={"kind": "cli", "id": "workflows_run"}),)
+        return (
+            AnnotationSpec(attributes=attributes, actor={"kind": "cli", "id": "workflows_run"}),
+        )
 
     def _wait(self, run_id: str, timeout: float | None, interval: float) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -151,7 +164,7 @@ class Command(BaseCommand):
             self.stdout.write(self.style.SUCCESS(f"run {run_id} COMPLETED in {seconds:.1f} s"))
             self.stdout.write(json.dumps(run.output, indent=2, default=str))
             return
-        raise CommandError(f"run {run_id} {run.status}: {run_error(run)}")
+        raise CommandError(f"run {run_id} {run.status}: {run_error(run) or 'no error recorded'}")
 
     def _stage_total(self, run: WorkflowRun) -> int:
         from django_workflows.definition.registry import registry
@@ -175,4 +188,3 @@ class Command(BaseCommand):
         if stage.status == Status.FAILED:
             return f"{head} {stage.error_message or ''}".rstrip()
         return head
-

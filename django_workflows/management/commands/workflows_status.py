@@ -1,0 +1,154 @@
+"""``manage.py workflows_status <run_id> [--json]``: show a run and one line per stage record.
+
+Durations are shown in seconds (``--json`` gives the stored milliseconds, ``duration_ms``);
+progress is a percentage (0-100); times are ISO 8601 in UTC.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandParser
+from django.core.serializers.json import DjangoJSONEncoder
+
+from django_workflows.models import Status, WorkflowJob, WorkflowRun, WorkflowStage
+
+from ._common import format_datetime, format_duration_ms, get_run, run_error
+
+
+def latest_jobs(run: WorkflowRun) -> dict[str, WorkflowJob]:
+    """The newest job row of each stage of ``run``, by stage id."""
+    jobs: dict[str, WorkflowJob] = {}
+    for job in WorkflowJob.objects.filter(workflow_run_id=run.pk).order_by("id"):
+        jobs[job.stage_id] = job
+    return jobs
+
+
+def retry_note(stage: WorkflowStage, job: WorkflowJob | None) -> str:
+    """``"retry 2/3 at <time>"`` for a failed stage whose job waits for another delivery."""
+    if (
+        job is None
+        or stage.status != Status.FAILED
+        or job.status != Status.PENDING
+        or job.attempt == 0
+    ):
+        return ""
+    when = f" at {format_datetime(job.next_poll_at)}" if job.next_poll_at else ""
+    return f"retry {job.attempt + 1}/{job.max_attempts}{when}"
+
+
+def _job_document(job: WorkflowJob | None) -> dict[str, Any] | None:
+    if job is None:
+        return None
+    return {
+        "id": job.pk,
+        "status": job.status,
+        "attempt": job.attempt,
+        "max_attempts": job.max_attempts,
+        "next_poll_at": job.next_poll_at,
+        "worker_id": job.worker_id,
+        "last_error": job.last_error,
+    }
+
+
+def run_document(
+    run: WorkflowRun, stages: list[WorkflowStage], jobs: dict[str, WorkflowJob] | None = None
+) -> dict[str, Any]:
+    """The JSON document of ``workflows_status --json``; ``job`` is the stage's newest job."""
+    jobs = jobs if jobs is not None else latest_jobs(run)
+    return {
+        "id": str(run.pk),
+        "workflow_id": run.workflow_id,
+        "workflow_name": run.workflow_name,
+        "status": run.status,
+        "priority": run.priority,
+        "created_at": run.created_at,
+        "started_at": run.started_at,
+        "completed_at": run.completed_at,
+        "duration_ms": run.duration_ms,
+        "error": run_error(run, stages),
+        "output": run.output,
+        "stages": [
+            {
+                "execution_group": s.execution_group,
+                "stage_number": s.stage_number,
+                "stage_id": s.stage_id,
+                "stage_name": s.stage_name,
+                "status": s.status,
+                "attempt": s.attempt,
+                "progress": s.progress,
+                "progress_message": s.progress_message,
+                "started_at": s.started_at,
+                "completed_at": s.completed_at,
+                "duration_ms": s.duration_ms,
+                "next_poll_at": s.next_poll_at,
+                "error_message": s.error_message,
+                "job": _job_document(jobs.get(s.stage_id)),
+            }
+            for s in stages
+        ],
+    }
+
+
+def _progress(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}%"
+
+
+class Command(BaseCommand):
+    help = (
+        "Show a workflow run: header (workflow, status, priority, times, duration in seconds, "
+        "error) and one line per stage record (execution group, stage id, status, attempt, "
+        "progress in %, duration in seconds, error and any pending retry). --json prints a "
+        "JSON document (durations in milliseconds)."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("run_id", help="the run's id (a UUID)")
+        parser.add_argument("--json", action="store_true", help="print a JSON document")
+
+    def handle(self, *args: Any, **opts: Any) -> None:
+        run = get_run(opts["run_id"])
+        stages = list(
+            WorkflowStage.objects.filter(run=run).order_by("execution_group", "stage_number")
+        )
+        jobs = latest_jobs(run)
+        if opts["json"]:
+            document = run_document(run, stages, jobs)
+            self.stdout.write(json.dumps(document, cls=DjangoJSONEncoder, indent=2))
+            return
+        self._write_text(run, stages, jobs)
+
+    def _write_text(
+        self, run: WorkflowRun, stages: list[WorkflowStage], jobs: dict[str, WorkflowJob]
+    ) -> None:
+        write = self.stdout.write
+        write(f"run {run.pk}")
+        write(f"  workflow:  {run.workflow_id} ({run.workflow_name})")
+        write(f"  status:    {run.status}")
+        write(f"  priority:  {run.priority}")
+        write(f"  created:   {format_datetime(run.created_at)}")
+        write(f"  started:   {format_datetime(run.started_at)}")
+        write(f"  completed: {format_datetime(run.completed_at)}")
+        write(f"  duration:  {format_duration_ms(run.duration_ms)}")
+        error = run_error(run, stages)
+        if error:
+            write(f"  error:     {error}")
+        if not stages:
+            write("stages: none yet")
+            return
+        width = max(len("stage"), *(len(s.stage_id) for s in stages))
+        write(
+            f"{'group':>5}  {'stage':<{width}}  {'status':<9}  {'attempt':>7}  "
+            f"{'progress':>8}  {'duration':>10}  error"
+        )
+        for s in stages:
+            note = retry_note(s, jobs.get(s.stage_id))
+            error = " ".join(
+                part for part in (s.error_message, f"({note})" if note else "") if part
+            )
+            line = (
+                f"{s.execution_group:>5}  {s.stage_id:<{width}}  {s.status:<9}  {s.attempt:>7}  "
+                f"{_progress(s.progress):>8}  {format_duration_ms(s.duration_ms):>10}  {error}"
+            )
+            write(line.rstrip())
