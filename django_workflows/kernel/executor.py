@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
+from django.utils.dateparse import parse_datetime
 from pydantic import ValidationError
 
 from ..definition.context import AnnotationInput, StageContext, StageServices
@@ -99,8 +100,11 @@ def normalise_suspend(value: Suspend, now: datetime) -> SuspendOutcome:
     if max_wait is None:
         max_wait = state.get("max_wait_seconds", DEFAULT_MAX_WAIT_SECONDS)
     submitted = state.get("submitted_at") or now.isoformat()
+    submitted_at = parse_datetime(submitted) if isinstance(submitted, str) else None
+    if submitted_at is None:
+        raise ValueError(f"Suspend.state['submitted_at'] is not an ISO-8601 time: {submitted!r}")
     state.update(submitted_at=submitted, poll_interval_seconds=poll, max_wait_seconds=max_wait)
-    next_poll_at = value.next_poll_at or now + timedelta(seconds=float(poll))
+    next_poll_at = value.next_poll_at or submitted_at + timedelta(seconds=float(poll))
     return SuspendOutcome(
         state=state,
         next_poll_at=next_poll_at,
