@@ -144,10 +144,11 @@ def handle(kernel: Kernel, cmd: ExecuteJob) -> ExecuteJobResult:
             run = require_running(run_id)
             now = kernel.clock.now()
             events = list(_progress_events(run_id, outcome, now))
+            last = _pending_progress(services)
             if outcome.error is not None:
-                result = _fail(node, record, outcome, start, now, events)
+                result = _fail(node, record, outcome, start, now, events, last)
             elif outcome.suspend is not None:
-                result = _suspend(node, record, outcome, now, events)
+                result = _suspend(node, record, outcome, now, events, last)
             else:
                 result = _complete(kernel, run, node, record, outcome, start, now, events)
             events += write_annotations(
@@ -259,6 +260,14 @@ def _progress_events(run_id: uuid.UUID, outcome: ExecutionOutcome, now: datetime
         yield ev.event(ev.STAGE_PROGRESS, run_id, now, **item)
 
 
+def _pending_progress(services: KernelStageServices) -> dict[str, Any]:
+    """The last progress of a throttled burst, written with a failed/suspended outcome."""
+    if services.pending_progress is None:
+        return {}
+    value, message = services.pending_progress
+    return {"progress": value, "progress_message": message[:2000]}
+
+
 def _metrics(start: datetime, now: datetime, custom: dict[str, Any] | None) -> dict[str, Any]:
     return {
         "start_time": start.isoformat(),
@@ -275,6 +284,7 @@ def _fail(
     start: datetime,
     now: datetime,
     events: list[dict[str, Any]],
+    last_progress: dict[str, Any],
 ) -> ExecuteJobResult:
     update_stage(
         record.pk,
@@ -283,6 +293,7 @@ def _fail(
         completed_at=now,
         duration_ms=_ms(start, now),
         error_message=outcome.error,
+        **last_progress,
     )
     events.append(
         ev.event(
@@ -303,6 +314,7 @@ def _suspend(
     outcome: ExecutionOutcome,
     now: datetime,
     events: list[dict[str, Any]],
+    last_progress: dict[str, Any],
 ) -> ExecuteJobResult:
     s = outcome.suspend
     assert s is not None
@@ -315,6 +327,7 @@ def _suspend(
         poll_interval_ms=s.poll_interval_ms,
         max_wait_until=s.max_wait_until,
         metrics=s.metrics,
+        **last_progress,
     )
     events.append(
         ev.event(

@@ -9,7 +9,8 @@ For each due SUSPENDED stage (``next_poll_at <= now``, at most ``max_checks``):
   written in one transaction that locks the run row and re-checks RUNNING and that the stage is
   still the SUSPENDED record we read (two pollers cannot both apply an outcome):
   error (or exception) -> stage and run FAILED; ready -> stage COMPLETED with the validated
-  output (raw value + WARN log when it does not validate) and its job row COMPLETED; past
+  output and its job row COMPLETED (an output that does not match the stage's output model
+  fails stage and run with the field paths, Part I item 6); past
   ``max_wait_until`` -> stage and run FAILED; otherwise rescheduled.
 
 Buffered annotations are written in the same transaction, or dropped with it (AN-6).
@@ -28,7 +29,7 @@ from ...blobs import output_key
 from ...conf import workflow_settings
 from ...definition.context import CompletionContext
 from ...definition.results import UNSET, CompletionCheck
-from ...definition.stage import format_validation_error, to_json_value
+from ...definition.stage import format_validation_error
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import events as ev
 from ..commands import PollSuspendedStages, PollSuspendedStagesResult
@@ -37,7 +38,7 @@ from ..executor import error_text
 from ..locking import require_running
 from ..outbox import append_events, new_causation_id
 from ..services import KernelStageServices
-from ..store import update_run, write_annotations, write_log
+from ..store import update_run, write_annotations
 
 if TYPE_CHECKING:
     from ..dispatch import Kernel
@@ -251,15 +252,13 @@ def _resume(
     if check.output is not UNSET:
         try:
             output = stage.parse_output(check.output)
-        except ValidationError as exc:
-            output = to_json_value(check.output)
-            write_log(
+        except ValidationError as exc:  # Part I item 6: fails stage and run, with field paths
+            return _fail_both(
+                record,
+                f"ValidationError: invalid output of stage {record.stage_id!r}: "
+                f"{format_validation_error(exc)}",
                 now,
-                "WARN",
-                f"Stage {record.stage_id!r}: completion output failed validation, "
-                f"stored as returned: {format_validation_error(exc)}",
-                run_id=run.pk,
-                stage_pk=record.pk,
+                events,
             )
         key = output_key(run.workflow_type, str(run.pk), record.stage_id)
         kernel.blobs.put(key, output, run_id=str(run.pk), stage_id=record.stage_id)
