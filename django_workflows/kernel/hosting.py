@@ -25,7 +25,7 @@ from django.db import IntegrityError, close_old_connections, connection, transac
 from django.db.models import Q
 
 from ..conf import workflow_settings
-from ..models import MaintenanceLease, Status, WorkflowJob
+from ..models import MaintenanceLease, Status, WorkflowJob, WorkflowRun
 from .commands import (
     ClaimPendingRuns,
     ExecuteJob,
@@ -36,6 +36,7 @@ from .commands import (
     TransitionRun,
 )
 from .dispatch import Kernel
+from .services import forget_run, note_run_not_running
 
 logger = logging.getLogger("django_workflows.worker")
 
@@ -48,18 +49,30 @@ def default_worker_id() -> str:
 class Heartbeat:
     """Refreshes a job's lease every ``interval_seconds`` in a background thread (H-2)."""
 
-    def __init__(self, kernel: Kernel, job_id: int, interval_seconds: float) -> None:
+    def __init__(
+        self, kernel: Kernel, job_id: int, interval_seconds: float, run_id: object = None
+    ) -> None:
         self.kernel = kernel
         self.job_id = job_id
+        self.run_id = run_id
         self.interval = interval_seconds
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{job_id}", daemon=True)
+
+    def beat(self) -> None:
+        """Refresh the lease and note a run that left RUNNING (Part I item 15)."""
+        self.kernel.queue.touch(self.job_id)
+        if (
+            self.run_id is not None
+            and not WorkflowRun.objects.filter(pk=self.run_id, status=Status.RUNNING).exists()
+        ):
+            note_run_not_running(self.run_id)
 
     def _loop(self) -> None:
         try:
             while not self._stop.wait(self.interval):
                 try:
-                    self.kernel.queue.touch(self.job_id)
+                    self.beat()
                 except Exception:  # heartbeat errors are ignored (H-2)
                     logger.exception("Heartbeat for job %s failed", self.job_id)
         finally:
@@ -72,6 +85,8 @@ class Heartbeat:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        if self.run_id is not None:
+            forget_run(self.run_id)
 
 
 @dataclass
@@ -90,7 +105,7 @@ def execute_job(kernel: Kernel, job: WorkflowJob) -> JobOutcome:
     recovered by lease expiry (H-4); the error propagates.
     """
     interval = float(workflow_settings.HEARTBEAT_INTERVAL_SECONDS)
-    with Heartbeat(kernel, job.pk, interval):
+    with Heartbeat(kernel, job.pk, interval, job.workflow_run_id):
         result = kernel.dispatch(
             ExecuteJob(
                 workflow_run_id=job.workflow_run_id,

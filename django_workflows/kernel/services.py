@@ -4,6 +4,7 @@ and cooperative cancellation (WF-17, WF-19, Part I items 8, 14, 15).
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from typing import Any
@@ -12,6 +13,22 @@ from ..blobs import BlobNotFoundError, stage_prefix, storage_key
 from ..models import Status, WorkflowRun, WorkflowStage
 from ..ports import BlobStore, Clock
 from .store import write_log
+
+#: Runs that a heartbeat saw leave RUNNING, for ``is_cancelled`` without a query (Part I 15).
+_runs_seen_cancelled: set[str] = set()
+_seen_lock = threading.Lock()
+
+
+def note_run_not_running(run_id: object) -> None:
+    """Record that ``run_id`` is no longer RUNNING (called by job heartbeats)."""
+    with _seen_lock:
+        _runs_seen_cancelled.add(str(run_id))
+
+
+def forget_run(run_id: object) -> None:
+    with _seen_lock:
+        _runs_seen_cancelled.discard(str(run_id))
+
 
 _LEVELS = {"DEBUG": "DEBUG", "INFO": "INFO", "WARN": "WARN", "WARNING": "WARN", "ERROR": "ERROR"}
 
@@ -72,8 +89,9 @@ class KernelStageServices:
     """Implements :class:`~django_workflows.definition.context.StageServices` for one stage.
 
     Progress writes are throttled to one every ``progress_interval_seconds`` (the last value of
-    a burst is written when the stage finishes, with its outcome). Cancellation is read from
-    the run row at most once per ``cancel_check_interval_seconds``.
+    a burst is written when the stage finishes, with its outcome). Cancellation is known at once
+    when the job's heartbeat saw the run leave RUNNING, and otherwise read from the run row at
+    most once per ``cancel_check_interval_seconds``.
     """
 
     def __init__(
@@ -125,7 +143,8 @@ class KernelStageServices:
             )
 
     def is_cancelled(self) -> bool:
-        if self._cancelled:
+        if self._cancelled or str(self.run_id) in _runs_seen_cancelled:
+            self._cancelled = True
             return True
         mono = time.monotonic()
         if mono - self._last_cancel_check >= self._cancel_interval:
