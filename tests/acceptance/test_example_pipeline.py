@@ -84,8 +84,12 @@ def _env(database_url: str, var_dir: Path) -> dict[str, str]:
 
 def _manage(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True,
-        text=True, timeout=timeout,
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -95,9 +99,12 @@ def cluster(database_url: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
     env = _env(database_url, tmp_path / "var")
     migrated = _manage(env, "migrate", "--noinput", "-v0")
     assert migrated.returncode == 0, migrated.stderr
-    log = open(tmp_path / "qcluster.log", "w")  # noqa: SIM115
+    log = open(tmp_path / "qcluster.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "manage.py", "qcluster"], cwd=ROOT, env=env, stdout=log,
+        [sys.executable, "manage.py", "qcluster"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
         stderr=subprocess.STDOUT,
     )
     try:
@@ -115,8 +122,18 @@ def cluster(database_url: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
 def test_example_pipeline_completes_through_real_workers(cluster: dict[str, Any]) -> None:
     """The demo's README command path: workflows_run --wait against a live cluster."""
     env = cluster["env"]
-    done = _manage(env, "workflows_run", "package-report", "--input", '{"limit": 12}',
-                   "--wait", "--timeout", "120", "--poll-interval", "0.2")
+    done = _manage(
+        env,
+        "workflows_run",
+        "package-report",
+        "--input",
+        '{"limit": 12}',
+        "--wait",
+        "--timeout",
+        "120",
+        "--poll-interval",
+        "0.2",
+    )
     log = cluster["log"].read_text()
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n--- qcluster ---\n{log}"
     assert "dependency-graph       SUSPENDED" in done.stdout  # live progress showed the wait

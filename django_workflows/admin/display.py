@@ -1,0 +1,203 @@
+"""Display helpers shared by the admin classes: status badges, durations, JSON, run links, and a
+read-only base class for the tables the kernel owns.
+
+Nothing here writes: the admin reads models for display and changes state only by dispatching
+kernel commands (ARCHITECTURE §2).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+from django.contrib import admin
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.urls import NoReverseMatch, reverse
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+from ..models import Status
+
+#: Badge colours (background, text) per status; shared by runs, stages and jobs.
+STATUS_COLOURS: dict[str, tuple[str, str]] = {
+    Status.PENDING: ("#6c757d", "#fff"),
+    Status.RUNNING: ("#0d6efd", "#fff"),
+    Status.SUSPENDED: ("#b7791f", "#fff"),
+    Status.COMPLETED: ("#198754", "#fff"),
+    Status.FAILED: ("#dc3545", "#fff"),
+    Status.CANCELLED: ("#343a40", "#fff"),
+    Status.SKIPPED: ("#adb5bd", "#212529"),
+}
+
+#: Badge colours for log levels and outbox delivery states.
+TONE_COLOURS: dict[str, tuple[str, str]] = {
+    "DEBUG": ("#adb5bd", "#212529"),
+    "INFO": ("#0dcaf0", "#052c65"),
+    "WARN": ("#ffc107", "#212529"),
+    "ERROR": ("#dc3545", "#fff"),
+    "published": ("#198754", "#fff"),
+    "pending": ("#6c757d", "#fff"),
+    "retrying": ("#b7791f", "#fff"),
+    "dead-lettered": ("#dc3545", "#fff"),
+    "blocked": ("#fd7e14", "#212529"),
+    "event": ("#6f42c1", "#fff"),
+    "annotation": ("#20c997", "#052c65"),
+    "log": ("#0dcaf0", "#052c65"),
+}
+
+BADGE_STYLE = (
+    "display:inline-block;padding:1px 8px;border-radius:10px;font-size:11px;"
+    "font-weight:600;line-height:16px;white-space:nowrap;background:{};color:{}"
+)
+
+#: JSON longer than this is cut in the pretty view (the raw value stays in the database).
+MAX_JSON_CHARS = 100_000
+
+
+def badge(label: str, tone: str | None = None) -> SafeString:
+    """A coloured pill for ``label``; ``tone`` picks the colour (default: ``label`` itself)."""
+    key = tone or label
+    bg, fg = STATUS_COLOURS.get(key) or TONE_COLOURS.get(key) or ("#e9ecef", "#212529")
+    return format_html(
+        '<span class="dw-badge dw-{}" style="{}">{}</span>',
+        str(key).lower(),
+        format_html(BADGE_STYLE, bg, fg),
+        label,
+    )
+
+
+def status_badge(status: str | None) -> SafeString | str:
+    """The coloured badge of a run, stage or job status."""
+    if not status:
+        return "-"
+    return badge(str(status))
+
+
+def format_duration_ms(ms: int | float | None) -> str:
+    """``850 ms``, ``12.3 s``, ``4m 05s``, ``2h 03m``, ``3d 04h``; ``-`` for ``None``."""
+    if ms is None:
+        return "-"
+    ms = max(0, int(ms))
+    if ms < 1000:
+        return f"{ms} ms"
+    seconds = ms / 1000
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    total = int(seconds)
+    minutes, secs = divmod(total, 60)
+    if minutes < 60:
+        return f"{minutes}m {secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h {minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d {hours:02d}h"
+
+
+def duration_display(
+    duration_ms: int | None, started_at: datetime | None, active: bool
+) -> SafeString | str:
+    """The stored duration, or the time elapsed so far for an active record that started."""
+    if duration_ms is not None:
+        return format_duration_ms(duration_ms)
+    if active and started_at is not None:
+        elapsed = (timezone.now() - started_at).total_seconds() * 1000
+        return format_html('<span title="still running">{} …</span>', format_duration_ms(elapsed))
+    return "-"
+
+
+def to_json(value: Any) -> str:
+    """``value`` as indented JSON (Django's encoder, so datetimes and UUIDs render)."""
+    return json.dumps(value, indent=2, ensure_ascii=False, cls=DjangoJSONEncoder, default=str)
+
+
+def pretty_json(value: Any) -> SafeString | str:
+    """``value`` pretty-printed in a ``<pre>`` block; ``-`` for ``None``."""
+    if value is None:
+        return "-"
+    text = to_json(value)
+    if len(text) > MAX_JSON_CHARS:
+        text = text[:MAX_JSON_CHARS] + f"\n… ({len(text) - MAX_JSON_CHARS} more characters)"
+    return format_html('<pre class="dw-json">{}</pre>', text)
+
+
+def short_json(value: Any, limit: int = 80) -> str:
+    """``value`` as one line of JSON cut to ``limit`` characters (for list columns)."""
+    if value is None:
+        return "-"
+    text = json.dumps(value, ensure_ascii=False, cls=DjangoJSONEncoder, default=str)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def run_change_url(run_id: Any) -> str | None:
+    try:
+        return reverse("admin:django_workflows_workflowrun_change", args=[str(run_id)])
+    except NoReverseMatch:
+        return None
+
+
+def short_id(value: Any) -> SafeString:
+    """The first 8 characters of an id in monospace, the whole id as a tooltip."""
+    text = str(value)
+    return format_html(
+        '<span class="dw-id" title="{}" style="font-family:monospace">{}</span>', text, text[:8]
+    )
+
+
+def run_link(run_id: Any) -> SafeString | str:
+    """A link to the run's admin page, showing the short id (no query: runs are linked by id,
+    DM-11).
+    """
+    if run_id is None:
+        return "-"
+    url = run_change_url(run_id)
+    if url is None:
+        return short_id(run_id)
+    return format_html('<a href="{}">{}</a>', url, short_id(run_id))
+
+
+class StatusFilter(admin.SimpleListFilter):
+    """Filter by the statuses a table can hold (``statuses``), plus "active" (not terminal)."""
+
+    title = "status"
+    parameter_name = "status"
+    statuses: tuple[Status, ...] = tuple(Status)
+    terminal: frozenset[str] = frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED})
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [
+            ("active", "Active (not finished)"),
+            *((str(s.value), str(s.label)) for s in self.statuses),
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        value = self.value()
+        if value == "active":
+            return queryset.exclude(status__in=self.terminal)
+        if value:
+            return queryset.filter(status=value)
+        return None
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """An admin that shows rows and never adds, changes or deletes them.
+
+    The kernel owns these tables; with no change permission Django renders the detail page in
+    view-only mode.
+    """
+
+    list_per_page = 50
+    show_full_result_count = False
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
