@@ -1,14 +1,16 @@
 """django-workflows: a durable, database-native workflow engine for Django.
 
 Define workflows with the names below (pure Python, safe to import anywhere); start and steer
-runs with :func:`start_run`, :func:`cancel_run` and :func:`get_kernel` (loaded lazily, so this
-package never imports models at import time).
+runs with :func:`start_run`, :func:`cancel_run`, :func:`rerun_from` and :func:`get_kernel`
+(loaded lazily, so this package never imports models at import time).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .annotations import AnnotationError, TypedKey, typed_key
+from .conventions import Approval, Decision, Revision, Trigger
 from .definition import (
     UNSET,
     CompletionCheck,
@@ -36,6 +38,10 @@ _LAZY = {
     "get_kernel": "django_workflows.kernel.runtime",
     "start_run": "django_workflows.runs",
     "cancel_run": "django_workflows.runs",
+    "annotate_run": "django_workflows.runs",
+    "list_annotations": "django_workflows.runs",
+    "AnnotationSpec": "django_workflows.kernel.commands",
+    "rerun_from": "django_workflows.runs",
     "define_plugin": "django_workflows.plugins",
     "workflow_event": "django_workflows.plugins",
 }
@@ -52,26 +58,37 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "UNSET",
+    "AnnotationError",
+    "AnnotationSpec",
+    "Approval",
     "CompletionCheck",
     "CompletionContext",
+    "Decision",
     "MissingStageOutputError",
     "NoConfig",
     "NoInput",
+    "Revision",
     "Stage",
     "StageContext",
     "StageResult",
     "Suspend",
+    "Trigger",
+    "TypedKey",
     "Workflow",
     "WorkflowDefinitionError",
+    "annotate_run",
     "cancel_run",
     "define_async_batch_stage",
     "define_plugin",
     "define_stage",
     "define_workflow",
     "get_kernel",
+    "list_annotations",
     "register",
     "registry",
+    "rerun_from",
     "stage",
     "start_run",
+    "typed_key",
     "workflow_event",
 ]

@@ -236,11 +236,25 @@ class WorkflowAnnotation(models.Model):
                 fields=["run", "key", "idempotency_key"], name="wf_annotation_dedupe_uniq"
             ),
         ]
+        # One index per filter of annotations.list (AN-9, DM-16), each ending in the list order
+        # (created_at, id) where that lets a LIMIT stop early. The key index uses
+        # varchar_pattern_ops on PostgreSQL so a key-prefix filter (LIKE 'ns.%') can use it
+        # under any collation; it still serves exact keys (other databases ignore opclasses).
         indexes = [
-            models.Index(fields=["run", "key"], name="wf_ann_run_key_idx"),
-            models.Index(fields=["run", "created_at"], name="wf_ann_run_created_idx"),
-            models.Index(fields=["run", "scope"], name="wf_ann_run_scope_idx"),
-            models.Index(fields=["run", "actor_id"], name="wf_ann_run_actor_idx"),
+            models.Index(
+                fields=["run", "key", "created_at", "id"],
+                name="wf_ann_run_key_idx",
+                opclasses=["uuid_ops", "varchar_pattern_ops", "timestamptz_ops", "int8_ops"],
+            ),
+            models.Index(fields=["run", "created_at", "id"], name="wf_ann_run_created_idx"),
+            models.Index(
+                fields=["run", "scope", "scope_id", "created_at"], name="wf_ann_run_scope_idx"
+            ),
+            models.Index(fields=["run", "actor_id", "created_at"], name="wf_ann_run_actor_idx"),
+            models.Index(
+                fields=["run", "actor_kind", "created_at"], name="wf_ann_run_actor_kind_idx"
+            ),
+            models.Index(fields=["run", "attempt", "created_at"], name="wf_ann_run_attempt_idx"),
         ]
 
     def __str__(self) -> str:
@@ -251,6 +265,9 @@ class OutboxEvent(models.Model):
     """An event written in the same transaction as the state change that produced it (§5.2).
 
     ``sequence`` is 1, 2, 3, ... per run, gap-free (DM-20). No foreign key to the run (DM-11).
+    A dead letter (``dlq_at`` set, ``published_at`` empty) blocks the later events of its run
+    until it is replayed or skipped by an operator; a skipped row keeps ``dlq_at`` and gets
+    ``published_at`` = ``skipped_at`` and the operator's ``skip_note`` (Part I item 16).
     """
 
     id = models.BigAutoField(primary_key=True)
@@ -264,6 +281,8 @@ class OutboxEvent(models.Model):
     published_at = models.DateTimeField(null=True, blank=True)
     retry_count = models.PositiveIntegerField(default=0)
     dlq_at = models.DateTimeField(null=True, blank=True)
+    skipped_at = models.DateTimeField(null=True, blank=True)
+    skip_note = models.TextField(blank=True, default="")
 
     class Meta:
         db_table = "outbox_events"

@@ -44,6 +44,7 @@ TONE_COLOURS: dict[str, tuple[str, str]] = {
     "retrying": ("#b7791f", "#fff"),
     "dead-lettered": ("#dc3545", "#fff"),
     "blocked": ("#fd7e14", "#212529"),
+    "skipped": ("#adb5bd", "#212529"),
     "event": ("#6f42c1", "#fff"),
     "annotation": ("#20c997", "#052c65"),
     "log": ("#0dcaf0", "#052c65"),

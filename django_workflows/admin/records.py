@@ -194,6 +194,8 @@ class OutboxEventAdmin(ReadOnlyAdmin):
         "created_at",
         "published_at",
         "dlq_at",
+        "skipped_at",
+        "skip_note",
         "causation_id",
         "payload_json",
     )

@@ -80,8 +80,11 @@ def event_state(event: OutboxEvent, run_blocked: bool) -> str:
     """The delivery state of an outbox row (SPEC §5.2, Part I item 16).
 
     A run with an unpublished dead letter is skipped whole by ``outbox.flush``: its other
-    unpublished rows are ``blocked`` until the dead letter is replayed.
+    unpublished rows are ``blocked`` until the dead letter is replayed or skipped by an
+    operator (``skipped``: never delivered, kept for audit).
     """
+    if getattr(event, "skipped_at", None) is not None:
+        return "skipped"
     if event.published_at is not None:
         return "published"
     if event.dlq_at is not None:

@@ -12,6 +12,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel
 
+from ..annotations import AnnotationInput, annotate_inputs
+
 InputT = TypeVar("InputT", bound=BaseModel)
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
@@ -49,47 +51,6 @@ class StageServices(Protocol):
 
 
 @dataclass
-class AnnotationInput:
-    """One buffered annotation (AN-3/AN-4), written with the stage outcome (AN-6)."""
-
-    key: str
-    value: Any
-    actor: dict[str, str | None] | None = None
-    payload: Any = None
-    idempotency_key: str | None = None
-    emit_event: bool = False
-
-
-def _annotation_inputs(
-    target: Any,
-    value: Any,
-    *,
-    actor: Mapping[str, Any] | None,
-    payload: Any,
-    idempotency_key: str | None,
-    emit_event: bool,
-) -> list[AnnotationInput]:
-    """Expand the three call forms of ``annotate`` (AN-1..AN-5) into inputs."""
-    if isinstance(target, Mapping):  # batch envelope (AN-3)
-        attributes = target.get("attributes") or {}
-        actor = target.get("actor", actor)
-        payload = target.get("payload", payload)
-        idempotency_key = target.get("idempotency_key", idempotency_key)
-        emit_event = bool(target.get("emit_event", emit_event))
-    else:
-        key = getattr(target, "key", target)  # typed key (AN-1) or string (AN-2)
-        if not isinstance(key, str):
-            raise TypeError(f"annotate() needs a key string or typed key, got {target!r}")
-        attributes = {key: value}
-    actor_dict = dict(actor) if actor else None
-    return [
-        AnnotationInput(k, v, actor_dict, payload, idempotency_key, emit_event)
-        for k, v in attributes.items()
-        if v is not None  # AN-5
-    ]
-
-
-@dataclass
 class _BaseContext:
     workflow_run_id: str
     workflow_id: str
@@ -113,14 +74,21 @@ class _BaseContext:
         idempotency_key: str | None = None,
         emit_event: bool = False,
     ) -> None:
-        """Buffer an annotation; it is written atomically with the stage outcome (AN-1..AN-6).
+        """Buffer an annotation; it is written atomically with the stage outcome (AN-1..AN-7).
 
-        Forms: ``annotate("ns.key", value)``, ``annotate(TypedKey, value)`` or
-        ``annotate({"attributes": {...}, "actor": {...}, "payload": ..., ...})``.
-        ``None`` values are dropped (AN-5).
+        Forms: ``annotate("ns.key", value)``, ``annotate(TypedKey, value)`` (the value is
+        type-checked) or ``annotate({"attributes": {...}, "actor": {...}, "payload": ...,
+        "idempotency_key": ..., "emit_event": ...})``. ``None`` values are dropped (AN-5).
+        Rows get scope ``stage``, this stage's id, record and attempt (AN-7). A repeated
+        ``(key, idempotency_key)`` in the same run is written once, first write wins (AN-8).
+
+        Raises:
+            AnnotationError: a malformed key, value, actor or option (nothing is buffered; the
+                stage fails, non-retryable, unless the code catches it).
+            TypeError: ``target`` is none of the three forms.
         """
         self.annotations.extend(
-            _annotation_inputs(
+            annotate_inputs(
                 target,
                 value,
                 actor=actor,

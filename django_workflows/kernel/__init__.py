@@ -12,6 +12,7 @@ from .commands import (
     ReapStuckRuns,
     ReplayDeadLetters,
     RerunFrom,
+    SkipDeadLetter,
     TransitionRun,
 )
 from .dispatch import Kernel
@@ -20,6 +21,8 @@ from .errors import (
     InvalidCommandError,
     InvalidWorkflowConfigError,
     InvalidWorkflowInputError,
+    OutboxEventNotFoundError,
+    OutboxEventStateError,
     RunNotFoundError,
     RunStateError,
     StageNotFoundError,
@@ -39,6 +42,8 @@ __all__ = [
     "InvalidWorkflowConfigError",
     "InvalidWorkflowInputError",
     "Kernel",
+    "OutboxEventNotFoundError",
+    "OutboxEventStateError",
     "PollSuspendedStages",
     "ReapStaleLeases",
     "ReapStuckRuns",
@@ -46,6 +51,7 @@ __all__ = [
     "RerunFrom",
     "RunNotFoundError",
     "RunStateError",
+    "SkipDeadLetter",
     "StageNotFoundError",
     "TransitionRun",
     "WorkflowError",

@@ -7,6 +7,8 @@ seconds (``*_seconds``); ids are strings or UUIDs.
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar, Literal
@@ -27,9 +29,18 @@ class Result:
 
 @dataclass(frozen=True)
 class AnnotationSpec:
-    """Annotations attached at run creation (AN-20): ``attributes`` share the envelope."""
+    """Annotations attached at run creation (AN-20): ``attributes`` share the envelope.
 
-    attributes: dict[str, Any]
+    Attributes:
+        attributes: ``{key: value}``; keys are strings or typed keys (``{Trigger.source:
+            "zendesk"}``, values type-checked); ``None`` values are dropped (AN-5).
+        actor: ``{"kind", "id", "version"}`` (any subset).
+        payload: a JSON value kept with every row (not queryable).
+        idempotency_key: dedupe key per ``(run, key)`` (AN-8).
+        emit_event: one ``annotation:created`` event per inserted row (AN-40).
+    """
+
+    attributes: Mapping[Any, Any]
     actor: dict[str, str | None] | None = None
     payload: Any = None
     idempotency_key: str | None = None
@@ -49,8 +60,10 @@ class CreateRun:
         config: ``{stage_id: {...}}`` merged shallowly over the stage defaults (WF-44).
         priority: higher runs sooner (default 5).
         idempotency_key: a replay with the same key returns the first result.
-        metadata: deprecated free-form JSON object (AN-30).
-        annotations: run-scope annotations written atomically with the run (AN-20).
+        metadata: deprecated (since 0.8) free-form JSON object, stored verbatim; it shows up in
+            ``kernel.annotations.list`` as ``legacy.metadata.*`` rows (AN-30). Passing it warns.
+        annotations: run-scope annotations written atomically with the run (AN-20): a tuple
+            of :class:`AnnotationSpec` (or envelope dicts); validated before anything is written.
     """
 
     type: ClassVar[str] = "run.create"
@@ -60,7 +73,17 @@ class CreateRun:
     priority: int = 5
     idempotency_key: str | None = None
     metadata: dict[str, Any] | None = None
-    annotations: tuple[AnnotationSpec, ...] = ()
+    annotations: tuple[AnnotationSpec | Mapping[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.metadata is not None:
+            warnings.warn(
+                "CreateRun.metadata is deprecated (AN-30, removal planned for 1.0): attach "
+                "run-scope annotations instead (annotations=[AnnotationSpec({...})]); "
+                "annotations.list still shows metadata as legacy.metadata.* rows",
+                DeprecationWarning,
+                stacklevel=3,
+            )
 
 
 @dataclass
@@ -272,6 +295,34 @@ class ReplayDeadLettersResult(Result):
     replayed: int
 
 
+@dataclass(frozen=True)
+class SkipDeadLetter:
+    """Skip one dead-lettered outbox event so the later events of its run flow again
+    (Part I item 16, EC-27). An operator tool: the event is never delivered.
+
+    The row is kept for audit: ``published_at`` = ``skipped_at`` = now, ``skip_note`` = ``note``
+    (``dlq_at`` and ``retry_count`` stay as they were).
+
+    Attributes:
+        event_id: the outbox row id (``OutboxEvent.id``).
+        note: why it was skipped (free text, stored on the row).
+    """
+
+    type: ClassVar[str] = "outbox.skipDeadLetter"
+    event_id: int
+    note: str = ""
+
+
+@dataclass
+class SkipDeadLetterResult(Result):
+    event_id: int
+    workflow_run_id: str
+    sequence: int
+    event_type: str
+    #: unpublished events of the run behind the skipped one (they flow on the next flush)
+    unblocked: int
+
+
 Command = (
     CreateRun
     | ClaimPendingRuns
@@ -284,4 +335,5 @@ Command = (
     | ReapStuckRuns
     | FlushOutbox
     | ReplayDeadLetters
+    | SkipDeadLetter
 )

@@ -9,7 +9,8 @@ Routing (K-4):
   ``transaction.on_commit`` (this replaces upstream's post-commit enqueue, K-7/EC-2: no orphan
   and no missing jobs).
 * ``job.execute`` and ``stage.pollSuspended`` manage their own short transactions.
-* ``outbox.flush`` and ``plugin.replayDLQ`` run directly and write no events.
+* ``outbox.flush``, ``plugin.replayDLQ`` and the operator command ``outbox.skipDeadLetter``
+  run directly and write no events.
 
 Commands with an ``idempotency_key`` (``run.create``, ``run.rerunFrom``, ``job.execute``) go
 through the idempotency procedure of K-10: a replay returns the cached result and writes
@@ -40,7 +41,8 @@ if TYPE_CHECKING:
 
 
 class Kernel:
-    """The engine: one entry point, :meth:`dispatch`, for every state change (K-1, K-2).
+    """The engine: one entry point, :meth:`dispatch`, for every state change (K-1, K-2), plus
+    :attr:`annotations` (``attach`` / ``list``, SPEC §6.3).
 
     Args:
         registry: where workflow ids resolve (default: the autodiscovered registry).
@@ -67,6 +69,7 @@ class Kernel:
         from ..blobs import DatabaseBlobStore
         from ..plugins import PluginRunner
         from ..transport.inline import NullTransport
+        from .annotations import AnnotationsAPI
         from .executor import LocalExecutor
 
         self.registry = registry if registry is not None else default_registry
@@ -76,10 +79,18 @@ class Kernel:
         self.event_sink: EventSink = event_sink or PluginRunner([])
         self.executor = executor or LocalExecutor()
         self.idempotency_stale_seconds = idempotency_stale_seconds
-        self.queue = JobQueue(self.clock, self.transport)
+        self.queue = JobQueue(self.clock, self.transport, on_exhausted=self._give_up_job)
+        #: ``attach(run_id, attributes, ...)`` and ``list(run_id, **filters)`` (K-2, SPEC §6.3).
+        self.annotations = AnnotationsAPI(self)
 
     def now(self) -> Any:
         return self.clock.now()
+
+    def _give_up_job(self, job: Any, message: str) -> bool:
+        """The queue's ``on_exhausted`` hook: bounded re-delivery (Part I item 3)."""
+        from .redelivery import give_up_job
+
+        return give_up_job(self, job, message)
 
     def dispatch(self, command: Any) -> Any:
         """Run ``command`` and return its result (see the module docstring for routing).
@@ -134,6 +145,7 @@ def _routes() -> dict[type, tuple[Callable[..., Any], bool, type[c.Result]]]:
         job_execute,
         lease_reap_stale,
         outbox_flush,
+        outbox_skip,
         plugin_replay_dlq,
         run_cancel,
         run_claim_pending,
@@ -156,4 +168,5 @@ def _routes() -> dict[type, tuple[Callable[..., Any], bool, type[c.Result]]]:
         c.PollSuspendedStages: (stage_poll_suspended.handle, False, c.PollSuspendedStagesResult),
         c.FlushOutbox: (outbox_flush.handle, False, c.FlushOutboxResult),
         c.ReplayDeadLetters: (plugin_replay_dlq.handle, False, c.ReplayDeadLettersResult),
+        c.SkipDeadLetter: (outbox_skip.handle, False, c.SkipDeadLetterResult),
     }

@@ -60,6 +60,18 @@ class RunStateError(WorkflowError):
     """The run is in a state that does not allow the command (e.g. rerun of a RUNNING run)."""
 
 
+class OutboxEventNotFoundError(WorkflowError, LookupError):
+    """No outbox event with this id exists (``outbox.skipDeadLetter``)."""
+
+    def __init__(self, event_id: object) -> None:
+        super().__init__(f"Outbox event {event_id} not found")
+        self.event_id = event_id
+
+
+class OutboxEventStateError(WorkflowError):
+    """The outbox event is not a dead letter (published, skipped, or still being delivered)."""
+
+
 class IdempotencyInProgressError(WorkflowError):
     """A command with this idempotency key is still running elsewhere (K-10, K-20)."""
 

@@ -15,7 +15,8 @@ from typing import Any, Protocol
 from django.utils.dateparse import parse_datetime
 from pydantic import ValidationError
 
-from ..definition.context import AnnotationInput, StageContext, StageServices
+from ..annotations import AnnotationError, AnnotationInput
+from ..definition.context import StageContext, StageServices
 from ..definition.results import (
     DEFAULT_MAX_WAIT_SECONDS,
     DEFAULT_POLL_INTERVAL_SECONDS,
@@ -183,7 +184,8 @@ class LocalExecutor:
             outcome.retryable = False
         except Exception as exc:
             outcome.error = error_text(exc)
-            outcome.retryable = False if isinstance(exc, ValidationError) else None
+            non_retryable = isinstance(exc, ValidationError | AnnotationError)
+            outcome.retryable = False if non_retryable else None
         if ctx is not None:
             outcome.progress = list(ctx.progress_events)
             outcome.annotations = list(ctx.annotations)

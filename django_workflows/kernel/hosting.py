@@ -121,6 +121,10 @@ def execute_job(kernel: Kernel, job: WorkflowJob) -> JobOutcome:
         kernel.dispatch(TransitionRun(job.workflow_run_id))
     elif result.outcome == "suspended":
         kernel.queue.suspend(job.pk, result.next_poll_at)
+        if not WorkflowRun.objects.filter(pk=job.workflow_run_id, status=Status.RUNNING).exists():
+            # A cancel committed between Phase 3 and the suspend above could not see this job
+            # (it was RUNNING, K-CA-3): cancel it now so no SUSPENDED job outlives its run.
+            kernel.queue.cancel_by_run(job.workflow_run_id)
         kernel.transport.wake_ticker()
     else:
         can_retry = (
@@ -172,6 +176,8 @@ class TickResult:
     suspended_checked: int = 0
     resumed: int = 0
     stale_released: int = 0
+    #: stale jobs whose deliveries were used up: failed instead of released (Part I item 3)
+    stale_given_up: int = 0
     events_flushed: int = 0
     stuck_reaped: int = 0
     workers_woken: int = 0
@@ -188,6 +194,7 @@ class TickResult:
                 self.claimed,
                 self.resumed,
                 self.stale_released,
+                self.stale_given_up,
                 self.events_flushed,
                 self.stuck_reaped,
             )
@@ -214,8 +221,75 @@ def acquire_lease(kernel: Kernel, name: str, owner: str, ttl_seconds: float) -> 
     return True
 
 
+def renew_lease(kernel: Kernel, name: str, owner: str, ttl_seconds: float) -> bool:
+    """Extend a lease that ``owner`` still holds to ``now + ttl_seconds``; ``False`` if it is
+    no longer theirs (it expired and another owner took it, or it was released).
+    """
+    expires = kernel.clock.now() + timedelta(seconds=ttl_seconds)
+    return bool(MaintenanceLease.objects.filter(name=name, owner=owner).update(expires_at=expires))
+
+
 def release_lease(name: str, owner: str) -> None:
     MaintenanceLease.objects.filter(name=name, owner=owner).delete()
+
+
+def maintenance_lease_seconds() -> float:
+    """TTL of the ``maintenance-tick`` lease: ``STALE_LEASE_SECONDS``, like a job's lease, so a
+    process that dies mid-tick blocks maintenance no longer than a dead worker blocks its job.
+    """
+    return float(workflow_settings.STALE_LEASE_SECONDS)
+
+
+def lease_heartbeat_seconds(ttl_seconds: float) -> float:
+    """How often a held maintenance lease is refreshed: ``HEARTBEAT_INTERVAL_SECONDS``, at most
+    a third of the lease's TTL.
+    """
+    return min(float(workflow_settings.HEARTBEAT_INTERVAL_SECONDS), ttl_seconds / 3)
+
+
+class LeaseKeeper:
+    """Refreshes a held maintenance lease every ``interval_seconds`` in a background thread
+    (the H-2 heartbeat, applied to the tick and ticker leases).
+
+    A lease's TTL can therefore be short: a holder that works longer than the TTL keeps its
+    lease, and a holder that dies (SIGKILL, lost machine) is noticed once ``ttl_seconds`` have
+    passed without a refresh. Refresh errors are logged and ignored; the thread stops once the
+    lease is no longer the owner's.
+    """
+
+    def __init__(
+        self, kernel: Kernel, name: str, owner: str, ttl_seconds: float, interval_seconds: float
+    ) -> None:
+        self.kernel = kernel
+        self.name = name
+        self.owner = owner
+        self.ttl = ttl_seconds
+        self.interval = interval_seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"lease-{name}", daemon=True)
+
+    def beat(self) -> bool:
+        """Refresh the lease now; ``False`` if it is no longer the owner's."""
+        return renew_lease(self.kernel, self.name, self.owner, self.ttl)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.wait(self.interval):
+                try:
+                    if not self.beat():
+                        return
+                except Exception:
+                    logger.exception("Refreshing the %s lease failed", self.name)
+        finally:
+            connection.close()
+
+    def __enter__(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def lease_is_free(kernel: Kernel, name: str) -> bool:
@@ -233,16 +307,19 @@ def run_maintenance_tick(kernel: Kernel, worker_id: str) -> TickResult:
     """One maintenance tick (H-10), each step in its own error boundary.
 
     Ticks never overlap (Part I item 18): a tick that cannot take the ``maintenance-tick``
-    lease returns at once with ``skipped=True``.
+    lease returns at once with ``skipped=True``. The lease lasts ``STALE_LEASE_SECONDS`` and is
+    refreshed while the tick runs (:class:`LeaseKeeper`), so a tick may take longer than that,
+    and a tick whose process died stops blocking the others after ``STALE_LEASE_SECONDS``.
     """
     out = TickResult()
     close_old_connections()
-    ttl = max(60.0, float(workflow_settings.STALE_LEASE_SECONDS))
+    ttl = maintenance_lease_seconds()
     if not acquire_lease(kernel, TICK_LEASE, worker_id, ttl):
         out.skipped = True
         return out
     try:
-        _tick_steps(kernel, worker_id, out)
+        with LeaseKeeper(kernel, TICK_LEASE, worker_id, ttl, lease_heartbeat_seconds(ttl)):
+            _tick_steps(kernel, worker_id, out)
     finally:
         release_lease(TICK_LEASE, worker_id)
     return out
@@ -275,7 +352,7 @@ def _tick_steps(kernel: Kernel, worker_id: str, out: TickResult) -> None:
         res = kernel.dispatch(
             ReapStaleLeases(stale_threshold_seconds=float(workflow_settings.STALE_LEASE_SECONDS))
         )
-        out.stale_released = res.released
+        out.stale_released, out.stale_given_up = res.released, res.failed
         if res.released:
             kernel.transport.wake_workers(res.released)
 

@@ -8,11 +8,12 @@ write lock at ``BEGIN``, which serialises writers just as strictly.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import F, Q
 
 from ..models import Status, WorkflowJob, WorkflowRun
 from .errors import InvalidCommandError, RunNotRunningError
@@ -64,11 +65,46 @@ def claim_next_pending_run() -> WorkflowRun | None:
     )
 
 
-def claim_next_job(now: datetime) -> WorkflowJob | None:
-    """Lock the ready PENDING job with the highest priority, oldest first (DM-41)."""
-    return (
-        WorkflowJob.objects.select_for_update(skip_locked=True)
-        .filter(Q(next_poll_at__isnull=True) | Q(next_poll_at__lte=now), status=Status.PENDING)
-        .order_by("-priority", "created_at", "id")
-        .first()
+def claim_next_job(now: datetime, exclude: Iterable[int] = ()) -> WorkflowJob | None:
+    """Lock the ready PENDING job with the highest priority, oldest first (DM-41).
+
+    ``exclude``: job ids this transaction already looked at (and still holds locks on).
+    """
+    qs = WorkflowJob.objects.select_for_update(skip_locked=True).filter(
+        Q(next_poll_at__isnull=True) | Q(next_poll_at__lte=now), status=Status.PENDING
     )
+    exclude = list(exclude)
+    if exclude:
+        qs = qs.exclude(pk__in=exclude)
+    return qs.order_by("-priority", "created_at", "id").first()
+
+
+def lock_exhausted_stale_jobs(cutoff: datetime) -> list[WorkflowJob]:
+    """Lock RUNNING jobs whose lease is older than ``cutoff`` and whose next delivery would
+    exceed ``max_attempts`` (Part I item 3); rows locked elsewhere are skipped.
+    """
+    return list(
+        WorkflowJob.objects.select_for_update(skip_locked=True)
+        .filter(status=Status.RUNNING, locked_at__lt=cutoff, attempt__gte=F("max_attempts"))
+        .order_by("id")
+    )
+
+
+#: :func:`try_lock_run` result when another transaction holds the run row.
+LOCKED = object()
+
+
+def try_lock_run(run_id: uuid.UUID) -> WorkflowRun | object | None:
+    """Lock the run row without waiting (Part I item 3).
+
+    Callers that already hold job row locks use this instead of :func:`lock_run`: waiting for
+    the run while holding a job could deadlock with ``run.cancel`` (run, then jobs).
+
+    Returns:
+        The locked run, ``None`` when it does not exist, or :data:`LOCKED` when another
+        transaction holds it (try again later).
+    """
+    run = WorkflowRun.objects.select_for_update(skip_locked=True).filter(pk=run_id).first()
+    if run is None and WorkflowRun.objects.filter(pk=run_id).exists():
+        return LOCKED
+    return run

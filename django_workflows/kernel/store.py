@@ -12,8 +12,8 @@ from typing import Any
 
 from django.db.models import F
 
+from ..annotations import AnnotationInput
 from ..blobs import output_key
-from ..definition.context import AnnotationInput
 from ..definition.workflow import StageNode, Workflow
 from ..models import (
     Status,
@@ -160,13 +160,56 @@ def write_annotations(
     stage_pk: uuid.UUID | None = None,
     attempt: int = 0,
 ) -> list[dict[str, Any]]:
-    """Insert annotations (AN-8: a repeated ``(run, key, idempotency_key)`` is skipped, first
-    write wins) and return the ``annotation:created`` events of the inputs that asked for one
-    (AN-40).
+    """Insert annotations and return the ``annotation:created`` events of the inserted inputs
+    that asked for one (AN-40), in input order.
+
+    Deduplication (AN-8, DM-16): an input whose ``(key, idempotency_key)`` already exists on the
+    run, or repeats an earlier input of the same batch, is skipped - first write wins - and
+    emits no event (Part I item 16, EC-29). Inputs without an idempotency key never dedupe.
+    Callers hold the run row lock (RUNNING guard, ``annotations.attach``) or created the run in
+    this transaction, so the existence check cannot race another writer of the same run.
     """
+    return insert_annotations(
+        run_id,
+        inputs,
+        now=now,
+        scope=scope,
+        scope_id=scope_id,
+        stage_pk=stage_pk,
+        attempt=attempt,
+    )[1]
+
+
+def insert_annotations(
+    run_id: uuid.UUID,
+    inputs: Iterable[AnnotationInput],
+    *,
+    now: datetime,
+    scope: str = "run",
+    scope_id: str | None = None,
+    stage_pk: uuid.UUID | None = None,
+    attempt: int = 0,
+) -> tuple[int, list[dict[str, Any]]]:
+    """:func:`write_annotations` that also returns how many rows it inserted."""
+    inputs = list(inputs)
+    keyed = {(i.key, i.idempotency_key) for i in inputs if i.idempotency_key is not None}
+    seen: set[tuple[str, str]] = set()
+    if keyed:
+        seen = set(
+            WorkflowAnnotation.objects.filter(
+                run_id=run_id,
+                key__in={k for k, _ in keyed},
+                idempotency_key__in={ik for _, ik in keyed},
+            ).values_list("key", "idempotency_key")
+        )
     rows = []
     events = []
     for item in inputs:
+        if item.idempotency_key is not None:
+            pair = (item.key, item.idempotency_key)
+            if pair in seen:
+                continue
+            seen.add(pair)
         actor = item.actor or {}
         rows.append(
             WorkflowAnnotation(
@@ -202,8 +245,9 @@ def write_annotations(
                 )
             )
     if rows:
+        # ignore_conflicts stays as a last line of defence against a writer without the lock
         WorkflowAnnotation.objects.bulk_create(rows, ignore_conflicts=True)
-    return events
+    return len(rows), events
 
 
 def stage_output_key(run: WorkflowRun, stage_id: str) -> str:

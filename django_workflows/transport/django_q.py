@@ -32,11 +32,14 @@ from django.db import close_old_connections
 from ..conf import workflow_settings
 from ..kernel.commands import ClaimPendingRuns
 from ..kernel.hosting import (
+    LeaseKeeper,
     acquire_lease,
     default_worker_id,
+    lease_heartbeat_seconds,
     lease_is_free,
     process_available_jobs,
     release_lease,
+    renew_lease,
     run_maintenance_tick,
 )
 from ..kernel.runtime import get_kernel
@@ -86,6 +89,11 @@ def _has_live_runs() -> bool:
 def ticker(run_seconds: float | None = None) -> dict[str, Any]:
     """django-q2 task: maintenance ticks every ``TICK_INTERVAL_SECONDS`` while holding the
     ``ticker`` lease; returns at once if another ticker holds it.
+
+    It stops after ``run_seconds`` (default ``TICKER_RUN_SECONDS``), or after the first tick
+    that began with no PENDING or RUNNING run - so the events written when the last run ended
+    are flushed before it stops. The lease (:func:`ticker_lease_seconds`) is refreshed while the
+    ticker runs; if it was lost to another ticker, this one stops.
     """
     close_old_connections()
     kernel = get_kernel()
@@ -94,21 +102,32 @@ def ticker(run_seconds: float | None = None) -> dict[str, Any]:
         run_seconds if run_seconds is not None else workflow_settings.TICKER_RUN_SECONDS
     )
     interval = float(workflow_settings.TICK_INTERVAL_SECONDS)
-    if not acquire_lease(kernel, TICKER_LEASE, owner, duration + 30):
+    ttl = ticker_lease_seconds(duration)
+    if not acquire_lease(kernel, TICKER_LEASE, owner, ttl):
         return {"ticks": 0, "skipped": True}
     ticks = 0
     deadline = time.monotonic() + duration
     try:
-        while time.monotonic() < deadline:
-            run_maintenance_tick(kernel, owner)
-            ticks += 1
-            if not _has_live_runs():
-                break
-            acquire_lease(kernel, TICKER_LEASE, owner, duration + 30)
-            time.sleep(interval)
+        with LeaseKeeper(kernel, TICKER_LEASE, owner, ttl, lease_heartbeat_seconds(ttl)):
+            while time.monotonic() < deadline:
+                # Read before the tick: the tick after the last run ended flushes its events.
+                live = _has_live_runs()
+                run_maintenance_tick(kernel, owner)
+                ticks += 1
+                if not live or not renew_lease(kernel, TICKER_LEASE, owner, ttl):
+                    break
+                time.sleep(interval)
     finally:
         release_lease(TICKER_LEASE, owner)
     return {"ticks": ticks, "skipped": False}
+
+
+def ticker_lease_seconds(run_seconds: float) -> float:
+    """TTL of the ``ticker`` lease: ``STALE_LEASE_SECONDS``, capped at the ticker's run time
+    plus 30 s. The ticker refreshes it while it runs, so a ticker killed with its cluster
+    stops blocking new tickers after this long.
+    """
+    return min(run_seconds + 30, float(workflow_settings.STALE_LEASE_SECONDS))
 
 
 class DjangoQTransport:

@@ -7,7 +7,8 @@ distributions (``importlib.metadata``).
 
 ``dependency-graph`` submits a real django-q2 background task, suspends, and is resumed by the
 maintenance tick once the task has stored its result. ``flaky-demo`` fails its first
-deliveries to show retries with back-off.
+deliveries to show retries with back-off. ``publish-report`` drafts a report, waits for a
+human approval (``workflows_approve`` / ``workflows_reject``) and publishes it if approved.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from django_workflows import (
     register,
     stage,
 )
+from django_workflows.annotations import typed_key
+from django_workflows.approval import ApprovalDecision, approval_stage
+from django_workflows.conventions import Decision
 
 WORD = re.compile(r"[a-zA-Z][a-zA-Z'-]{2,}")
 STOPWORDS = frozenset(
@@ -304,7 +308,10 @@ def report(ctx: StageContext[DependencyGraph, Any]) -> ReportOutput:
         "",
         "## Most depended on",
         "",
-        *[f"- {name}: {count} dependents" for name, count in graph.most_depended_on],
+        *[
+            f"- {name}: {count} dependent{'s' if count != 1 else ''}"
+            for name, count in graph.most_depended_on
+        ],
         "",
         "## Most dependencies",
         "",
@@ -375,3 +382,130 @@ def flaky(ctx: StageContext[Any, FlakyConfig]) -> FlakyOutput:
 
 
 flaky_demo = register(define_workflow(id="flaky-demo", name="Retry demo").pipe(flaky).build())
+
+
+# --- publish-report: a draft, a human approval, then publishing ----------------------------------
+#
+#     discover -> parse-metadata -> draft -> review (human approval) -> publish
+#
+# ``review`` suspends until someone runs ``manage.py workflows_approve <run_id>`` (or
+# ``workflows_reject``); ``publish`` copies the draft into the published folder only when it was
+# approved. Every fact along the way is an annotation (``manage.py workflows_annotations``).
+
+#: Our own typed keys (AN-50): org-prefixed, typed, documented.
+DRAFT_PACKAGES = typed_key(
+    "docpipeline.draft.packages",
+    int,
+    stability="stable",
+    description="Distributions listed in the draft",
+)
+DRAFT_PATH = typed_key(
+    "docpipeline.draft.path", str, stability="stable", description="Where the draft was written"
+)
+PUBLISHED_PATH = typed_key(
+    "docpipeline.publish.path",
+    str,
+    stability="stable",
+    description="Where the approved report was published",
+)
+
+
+class Draft(BaseModel):
+    path: str
+    packages: int
+    top_dependency: str | None
+
+
+class Published(BaseModel):
+    published: bool
+    path: str | None
+    decided_by: str | None
+    rationale: str | None
+
+
+@stage(id="draft", name="Draft the report", input=ParsedMetadata, output=Draft)
+def draft(ctx: StageContext[ParsedMetadata, Any]) -> Draft:
+    """Write a short Markdown draft and record what it contains as annotations."""
+    packages = ctx.input.packages
+    dependents: Counter[str] = Counter()
+    names = {normalise_name(p.name): p.name for p in packages}
+    for p in packages:
+        for req in p.requires:
+            match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req)
+            if match and normalise_name(match.group(1)) in names and "extra ==" not in req:
+                dependents[names[normalise_name(match.group(1))]] += 1
+    top = dependents.most_common(1)[0][0] if dependents else None
+    out_dir = Path(settings.DOCPIPELINE_REPORT_DIR) / "drafts"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"publish-report-{ctx.workflow_run_id}.md"
+    lines = [
+        "# Installed distributions (draft)",
+        "",
+        f"{len(packages)} distributions; most depended on: {top or 'none'}.",
+        "",
+        *[f"- {p.name} {p.version}: {p.summary}" for p in packages],
+        "",
+    ]
+    path.write_text("\n".join(lines), encoding="utf-8")
+    ctx.annotate(DRAFT_PACKAGES, len(packages))
+    ctx.annotate(DRAFT_PATH, str(path))
+    ctx.annotate(Decision.outcome, "needs-review", emit_event=True)
+    return Draft(path=str(path), packages=len(packages), top_dependency=top)
+
+
+review = approval_stage(
+    id="review",
+    name="Editor review",
+    description="Waits for workflows_approve / workflows_reject",
+    poll_interval_seconds=1.0,
+)
+
+
+@stage(
+    id="publish",
+    name="Publish if approved",
+    input=ApprovalDecision,
+    output=Published,
+    dependencies=["draft"],
+)
+def publish(ctx: StageContext[ApprovalDecision, Any]) -> Published:
+    """Copy the draft into the published folder when the review approved it."""
+    decision = ctx.input
+    drafted: Draft = ctx.require("draft")
+    if not decision.approved:
+        ctx.annotate(Decision.outcome, "not-published")
+        ctx.annotate(Decision.rationale, decision.rationale or "rejected in review")
+        return Published(
+            published=False,
+            path=None,
+            decided_by=decision.decided_by,
+            rationale=decision.rationale,
+        )
+    out_dir = Path(settings.DOCPIPELINE_REPORT_DIR) / "published"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / Path(drafted.path).name
+    target.write_text(Path(drafted.path).read_text(encoding="utf-8"), encoding="utf-8")
+    ctx.annotate(Decision.outcome, "published")
+    ctx.annotate(PUBLISHED_PATH, str(target), emit_event=True)
+    return Published(
+        published=True,
+        path=str(target),
+        decided_by=decision.decided_by,
+        rationale=decision.rationale,
+    )
+
+
+publish_report = register(
+    define_workflow(
+        id="publish-report",
+        name="Publish a package report after review",
+        input=ReportInput,
+        description="Drafts a package report, waits for a human approval, then publishes it.",
+    )
+    .pipe(discover)
+    .pipe(parse_metadata)
+    .pipe(draft)
+    .pipe(review)
+    .pipe(publish)
+    .build()
+)

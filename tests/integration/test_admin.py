@@ -117,7 +117,7 @@ def _claim(kernel: Kernel) -> None:
 
 def make_runs(kernel: Kernel) -> Runs:
     """One run in each state, with stages, logs, annotations, events and jobs."""
-    ticket = AnnotationSpec(attributes={"ticket": "T-1"}, actor={"kind": "user", "id": "bob"})
+    ticket = AnnotationSpec(attributes={"ticket.id": "T-1"}, actor={"kind": "user", "id": "bob"})
     completed = _create(
         kernel,
         "admin-two-stage",
@@ -294,7 +294,7 @@ def test_run_change_page_shows_stages_timeline_jobs_and_json(admin_client, kerne
     assert [e.at for e in timeline.entries] == sorted(e.at for e in timeline.entries)
     labels = [e.label for e in timeline.entries]
     assert labels.index("workflow:created") < labels.index("workflow:completed")
-    assert {"ticket", "review.score"} <= set(labels)
+    assert {"ticket.id", "review.score"} <= set(labels)
     assert "preparing the numbers" in html
     assert "user:alice" in html and "user:bob" in html
 
@@ -606,7 +606,7 @@ def test_engine_tables_are_listed_and_shown_read_only(admin_client, kernel, name
         ("workflowjob", "?workflow_id=admin-suspends", {"batch"}),
         ("workflowjob", "?stage_id=add-10", {"add-10"}),
         ("workflowannotation", "?key=review.score", {"review.score"}),
-        ("workflowannotation", "?actor_kind=user&scope=run", {"ticket"}),
+        ("workflowannotation", "?actor_kind=user&scope=run", {"ticket.id"}),
         ("workflowannotation", "?scope=stage", {"review.score"}),
         ("workflowlog", "?level__exact=ERROR", {"ERROR"}),
     ],

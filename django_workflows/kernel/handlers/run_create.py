@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 from django.db import transaction
 
-from ...definition.context import AnnotationInput
 from ...models import Status, WorkflowRun
 from .. import events as ev
+from ..annotations import inputs_from_specs
 from ..commands import CreateRun, CreateRunResult
 from ..errors import (
     InvalidCommandError,
@@ -63,6 +63,7 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
         )
     if cmd.metadata is not None and not isinstance(cmd.metadata, dict):
         raise InvalidCommandError("metadata: expected a JSON object", field="metadata")
+    inputs = inputs_from_specs(cmd.annotations)
 
     now = kernel.clock.now()
     run = WorkflowRun.objects.create(
@@ -77,12 +78,6 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
         priority=cmd.priority,
         metadata=cmd.metadata,
     )
-    inputs = [
-        AnnotationInput(k, v, spec.actor, spec.payload, spec.idempotency_key, spec.emit_event)
-        for spec in cmd.annotations
-        for k, v in spec.attributes.items()
-        if v is not None
-    ]
     events = [ev.event(ev.WORKFLOW_CREATED, run.pk, now, workflow_id=workflow.id)]
     events += write_annotations(run.pk, inputs, now=now)
     transaction.on_commit(kernel.transport.wake_claimer)

@@ -7,8 +7,10 @@ A RUNNING run is a candidate when neither it nor any of its stage records change
 * a SUSPENDED stage whose next poll or deadline is still ahead (EC-23);
 * a PENDING job waiting in the queue (EC-24).
 
-For each candidate (row-locked, re-checked RUNNING): PENDING stage records that have no PENDING
-or RUNNING job get a fresh job (recovery sweep, K-RS-3) and the run is left alone; otherwise the
+For each candidate (row-locked, re-checked RUNNING): PENDING stage records that no job serves
+(no PENDING or RUNNING job, and no job of the record's generation that ended, e.g. one given up
+after ``max_attempts`` deliveries, Part I item 3) get a fresh job (recovery sweep, K-RS-3) and
+the run is left alone; otherwise the
 run is FAILED with ``STUCK_RUN_REAPED`` and ``workflow:failed`` (K-RS-4). Stage and job rows are
 not touched by the failing branch (K-RS-5).
 """
@@ -68,12 +70,7 @@ def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
         records = stages_of(run_id)
         pending = [r for r in records if r.status == Status.PENDING]
         if pending:
-            queued = set(
-                WorkflowJob.objects.filter(
-                    workflow_run_id=run_id, status__in=[Status.PENDING, Status.RUNNING]
-                ).values_list("stage_id", flat=True)
-            )
-            orphans = [r for r in pending if r.stage_id not in queued]
+            orphans = _orphans(run_id, pending)
             if orphans:
                 enqueue_stage_jobs(kernel.queue, run, orphans)
                 update_run(run_id, now)
@@ -101,3 +98,20 @@ def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
         events.append(ev.event(ev.WORKFLOW_FAILED, run_id, now, error=message))
         failed += 1
     return HandlerOutput(ReapStuckRunsResult(failed, failed, recovered), events)
+
+
+def _orphans(run_id: Any, pending: list[WorkflowStage]) -> list[WorkflowStage]:
+    """PENDING records that no job serves (K-RS-3): no PENDING or RUNNING job of the stage,
+    and no job of any status created with or after the record. A job of the record's own
+    generation that ended (e.g. given up after ``max_attempts`` deliveries, Part I item 3) is
+    not replaced: the sweep must not restart a bounded re-delivery.
+    """
+    created = {r.stage_id: r.created_at for r in pending}
+    served = {
+        stage_id
+        for stage_id, status, job_created in WorkflowJob.objects.filter(
+            workflow_run_id=run_id, stage_id__in=created
+        ).values_list("stage_id", "status", "created_at")
+        if status in (Status.PENDING, Status.RUNNING) or job_created >= created[stage_id]
+    }
+    return [r for r in pending if r.stage_id not in served]

@@ -6,6 +6,8 @@ Examples::
     manage.py workflows_run package-report --input '{"limit": 50}' --wait
     manage.py workflows_run package-report --input @input.json --config @config.json
     manage.py workflows_run flaky-demo --priority 9 --idempotency-key nightly-2026-11-29
+    manage.py workflows_run package-report --annotate trigger.source=cli
+    manage.py workflows_run package-report --annotations @annotations.json
 
 Exit status with ``--wait``: 0 when the run COMPLETED; 1 (with the error) when it FAILED, was
 CANCELLED, or did not finish within ``--timeout`` seconds.
@@ -20,6 +22,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_workflows.annotations import AnnotationError
+from django_workflows.conventions import published_key, with_published_types
 from django_workflows.kernel import AnnotationSpec, CreateRun, WorkflowError
 from django_workflows.kernel.runtime import get_kernel
 from django_workflows.models import TERMINAL_RUN_STATUSES, Status, WorkflowRun, WorkflowStage
@@ -74,7 +78,15 @@ class Command(BaseCommand):
             action="append",
             default=[],
             metavar="KEY=VALUE",
-            help="run-scope annotation (repeatable); VALUE is JSON or a string",
+            help="run-scope annotation (repeatable); KEY is 'ns.name', VALUE is JSON or a string",
+        )
+        parser.add_argument(
+            "--annotations",
+            default=None,
+            metavar="JSON|@FILE",
+            help="run-scope annotations as JSON or @path: a list of envelopes "
+            '[{"attributes": {...}, "actor": {...}, "payload": ..., "idempotency_key": ..., '
+            '"emit_event": true}], one envelope, or a plain {key: value} object',
         )
         parser.add_argument(
             "--wait",
@@ -98,6 +110,7 @@ class Command(BaseCommand):
         payload = load_json_argument(opts["input"], "--input")
         config = load_json_argument(opts["config"], "--config")
         annotations = self._annotations(opts["annotate"])
+        annotations += self._annotation_file(opts["annotations"])
         try:
             result = get_kernel().dispatch(
                 CreateRun(
@@ -117,19 +130,52 @@ class Command(BaseCommand):
             self._wait(run_id, opts["timeout"], opts["poll_interval"])
 
     def _annotations(self, items: list[str]) -> tuple[AnnotationSpec, ...]:
-        attributes: dict[str, Any] = {}
+        """``--annotate KEY=VALUE``: VALUE is parsed as JSON, else kept as text. A published
+        convention key (``trigger.source``, ...) is type-checked; for a text-typed one the raw
+        text is kept when the JSON reading does not fit (``trigger.reason=42`` -> ``"42"``).
+        """
+        attributes: dict[Any, Any] = {}
         for item in items:
             key, sep, raw = item.partition("=")
             if not sep or not key:
                 raise CommandError(f"--annotate: expected KEY=VALUE, got {item!r}")
             try:
-                attributes[key] = json.loads(raw)
+                value: Any = json.loads(raw)
             except json.JSONDecodeError:
-                attributes[key] = raw
+                value = raw
+            typed = published_key(key)
+            if typed is not None and value != raw:
+                try:
+                    typed.validate(value)
+                except AnnotationError:
+                    value = raw
+            attributes[typed or key] = value
         if not attributes:
             return ()
         return (
             AnnotationSpec(attributes=attributes, actor={"kind": "cli", "id": "workflows_run"}),
+        )
+
+    def _annotation_file(self, value: str | None) -> tuple[Any, ...]:
+        """``--annotations``: envelopes for ``CreateRun.annotations`` (validated by the kernel,
+        which names the entry and key at fault).
+        """
+        data = load_json_argument(value, "--annotations")
+        if data is None:
+            return ()
+        if isinstance(data, dict) and "attributes" not in data:
+            data = {"attributes": data, "actor": {"kind": "cli", "id": "workflows_run"}}
+        if isinstance(data, dict):
+            data = [data]
+        if not isinstance(data, list) or not all(isinstance(item, dict) for item in data):
+            raise CommandError(
+                "--annotations: expected an object or a list of objects with 'attributes'"
+            )
+        return tuple(
+            {**item, "attributes": with_published_types(item["attributes"])}
+            if isinstance(item.get("attributes"), dict)
+            else item
+            for item in data
         )
 
     def _wait(self, run_id: str, timeout: float | None, interval: float) -> None:

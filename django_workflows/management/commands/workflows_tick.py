@@ -34,6 +34,7 @@ TICK_FIELDS = (
     "suspended_checked",
     "resumed",
     "stale_released",
+    "stale_given_up",
     "events_flushed",
     "stuck_reaped",
     "workers_woken",

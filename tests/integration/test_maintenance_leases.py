@@ -1,0 +1,120 @@
+"""Maintenance leases after a crash: the tick and ticker leases follow ``STALE_LEASE_SECONDS``
+and are refreshed while held; the ticker's last tick flushes the events of the last run.
+
+A cluster killed with SIGKILL mid-tick leaves both leases behind. They used to last
+``max(60 s, STALE_LEASE_SECONDS)`` and ``TICKER_RUN_SECONDS + 30 s`` whatever lease the
+operator chose, blocking lease reaping, polls and the outbox that long (H-10, H-11, Part I
+item 18). The real-process versions are in ``tests/acceptance/test_crash_recovery.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from django_workflows.kernel import CancelRun, ClaimPendingRuns, CreateRun, Kernel
+from django_workflows.kernel.hosting import (
+    TICK_LEASE,
+    LeaseKeeper,
+    acquire_lease,
+    maintenance_lease_seconds,
+    run_maintenance_tick,
+)
+from django_workflows.models import MaintenanceLease, OutboxEvent, Status, WorkflowRun
+from django_workflows.testing import CollectingSink, FakeClock
+from django_workflows.transport import django_q
+from tests.workflows import two_stage
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def short_lease(settings: Any) -> None:
+    settings.DJANGO_WORKFLOWS = {
+        **settings.DJANGO_WORKFLOWS,
+        "STALE_LEASE_SECONDS": 3,
+        "HEARTBEAT_INTERVAL_SECONDS": 1.0,
+        "TICK_INTERVAL_SECONDS": 0.01,
+    }
+
+
+def test_tick_lease_of_a_dead_ticker_expires_after_stale_lease_seconds(
+    short_lease: None, kernel_for: Callable[..., Kernel], clock: FakeClock
+) -> None:
+    """H-10, Part I item 18: a tick whose process died (its lease never released) blocks other
+    ticks only until ``STALE_LEASE_SECONDS`` have passed, not for a fixed 60 s.
+    """
+    kernel = kernel_for(two_stage())
+    assert acquire_lease(kernel, TICK_LEASE, "dead-ticker", maintenance_lease_seconds())
+
+    assert run_maintenance_tick(kernel, "new-ticker").skipped is True
+    clock.advance(2.5)
+    assert run_maintenance_tick(kernel, "new-ticker").skipped is True
+    clock.advance(1)
+    assert run_maintenance_tick(kernel, "new-ticker").skipped is False
+    assert not MaintenanceLease.objects.filter(name=TICK_LEASE).exists()  # released after
+
+
+def test_lease_keeper_refreshes_only_its_own_lease(
+    short_lease: None, kernel_for: Callable[..., Kernel], clock: FakeClock
+) -> None:
+    """H-2 applied to the tick lease: a refreshed lease outlives its TTL (a long tick keeps it,
+    so ticks never overlap), and a lease taken over by another owner is never refreshed.
+    """
+    kernel = kernel_for(two_stage())
+    assert acquire_lease(kernel, TICK_LEASE, "a", 3)
+    keeper = LeaseKeeper(kernel, TICK_LEASE, "a", 3, 1)
+    for _ in range(4):
+        clock.advance(2)
+        assert keeper.beat() is True
+        assert acquire_lease(kernel, TICK_LEASE, "b", 3) is False
+    clock.advance(3.5)  # "a" stopped refreshing: dead
+    assert acquire_lease(kernel, TICK_LEASE, "b", 3) is True
+    expires = MaintenanceLease.objects.get(name=TICK_LEASE).expires_at
+    assert keeper.beat() is False
+    lease = MaintenanceLease.objects.get(name=TICK_LEASE)
+    assert (lease.owner, lease.expires_at) == ("b", expires)
+
+
+def test_ticker_lease_follows_stale_lease_seconds(settings: Any) -> None:
+    """The ticker lease lasts ``STALE_LEASE_SECONDS``, at most the ticker's run time + 30 s."""
+    settings.DJANGO_WORKFLOWS = {**settings.DJANGO_WORKFLOWS, "STALE_LEASE_SECONDS": 3}
+    assert django_q.ticker_lease_seconds(50) == 3
+    settings.DJANGO_WORKFLOWS = {**settings.DJANGO_WORKFLOWS, "STALE_LEASE_SECONDS": 300}
+    assert django_q.ticker_lease_seconds(50) == 80
+
+
+def test_ticker_flushes_the_events_of_a_run_that_ended_after_its_last_tick(
+    short_lease: None,
+    kernel_for: Callable[..., Kernel],
+    sink: CollectingSink,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """EV-4, H-10: the ticker stops once no run is live, but only after a tick that began with
+    no live run - so ``workflow:cancelled`` of a run cancelled just after a tick's flush is
+    published before the ticker stops, not a minute later by the next scheduled ticker.
+    """
+    kernel = kernel_for(two_stage())
+    run_id = kernel.dispatch(CreateRun("two-stage", {"value": 1})).workflow_run_id
+    kernel.dispatch(ClaimPendingRuns("w"))
+    monkeypatch.setattr(django_q, "get_kernel", lambda: kernel)
+    real_tick = django_q.run_maintenance_tick
+    calls: list[int] = []
+
+    def tick_then_cancel(k: Kernel, owner: str) -> Any:
+        out = real_tick(k, owner)
+        calls.append(1)
+        if len(calls) == 1:  # the run ends between the flush and the ticker's next check
+            k.dispatch(CancelRun(run_id, reason="after the flush"))
+        return out
+
+    monkeypatch.setattr(django_q, "run_maintenance_tick", tick_then_cancel)
+    result = django_q.ticker(run_seconds=10)
+
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.CANCELLED
+    assert result == {"ticks": 2, "skipped": False}
+    assert not OutboxEvent.objects.filter(published_at=None).exists()
+    assert sink.types(run_id)[-1] == "workflow:cancelled"
+    assert not MaintenanceLease.objects.exists()  # both leases released
