@@ -17,7 +17,13 @@ from django.utils.dateparse import parse_datetime
 
 
 class Result:
-    """Base of command results: JSON-able for the idempotency cache (K-10, K-14)."""
+    """Base of command results: JSON-able for the idempotency cache (K-10, K-14).
+
+    ``replayed`` is ``True`` on a result returned from the cache for a repeated idempotency key
+    (nothing was executed); it is not part of the cached JSON.
+    """
+
+    replayed: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)  # type: ignore[call-overload,no-any-return]

@@ -31,13 +31,17 @@ from ..definition.registry import registry as default_registry
 from ..ports import BlobStore, Clock, EventSink, JobTransport, SystemClock
 from . import commands as c
 from . import idempotency
-from .errors import IdempotencyInProgressError, UnknownCommandError
+from .errors import IdempotencyInProgressError, InvalidCommandError, UnknownCommandError
 from .handlers.base import HandlerOutput
 from .outbox import append_events, new_causation_id
 from .queue import JobQueue
 
 if TYPE_CHECKING:
     from .executor import Executor
+
+
+#: Longest idempotency key (the ``idempotency_keys.key`` column).
+MAX_IDEMPOTENCY_KEY_LENGTH = 255
 
 
 class Kernel:
@@ -107,6 +111,12 @@ class Kernel:
         key = getattr(command, "idempotency_key", None) or None
         if not key:
             return self._run(handler, transactional, command, None)
+        if not isinstance(key, str) or len(key) > MAX_IDEMPOTENCY_KEY_LENGTH:
+            raise InvalidCommandError(
+                f"idempotency_key: expected a string of at most {MAX_IDEMPOTENCY_KEY_LENGTH} "
+                f"characters, got {len(key) if isinstance(key, str) else type(key).__name__}",
+                field="idempotency_key",
+            )
         acquired = idempotency.acquire(
             key,
             command.type,
@@ -114,7 +124,9 @@ class Kernel:
             stale_after_seconds=self.idempotency_stale_seconds,
         )
         if acquired.outcome == "replay":
-            return result_cls.from_json(acquired.result)
+            replayed = result_cls.from_json(acquired.result)
+            replayed.replayed = True
+            return replayed
         if acquired.outcome == "in_progress":
             raise IdempotencyInProgressError(key, command.type)
         try:

@@ -25,6 +25,7 @@ from ..definition.results import (
 )
 from ..definition.stage import Stage, format_validation_error
 from ..definition.workflow import Workflow
+from .jsonvalue import storable_json_error, storable_text
 
 
 @dataclass
@@ -189,7 +190,41 @@ class LocalExecutor:
         if ctx is not None:
             outcome.progress = list(ctx.progress_events)
             outcome.annotations = list(ctx.annotations)
-        return outcome
+        return ensure_storable(stage, outcome)
+
+
+def ensure_storable(stage: Stage, outcome: ExecutionOutcome) -> ExecutionOutcome:
+    """Turn values a JSON column cannot hold (NaN, Infinity, NUL characters) into a clear,
+    non-retryable stage failure before they reach the outcome transaction, where they would
+    raise a database error on every re-delivery.
+    """
+    if outcome.progress and storable_json_error(outcome.progress):
+        outcome.warnings.append(
+            f"Stage {stage.id!r}: progress events dropped: {storable_json_error(outcome.progress)}"
+        )
+        outcome.progress = []
+    if outcome.error is None:
+        values: dict[str, Any] = {}
+        if outcome.result is not None:
+            values = {
+                "output": outcome.output,
+                "artifacts": outcome.result.artifacts,
+                "metrics": outcome.result.metrics,
+                "embeddings": outcome.result.embeddings,
+            }
+        elif outcome.suspend is not None:
+            values = {"state": outcome.suspend.state, "metrics": outcome.suspend.metrics}
+        problem = storable_json_error(values)
+        if problem:
+            outcome.result = outcome.suspend = outcome.output = None
+            outcome.error = (
+                f"StorageError: stage {stage.id!r} returned a value that cannot be stored: "
+                f"{problem}"
+            )
+            outcome.retryable = False
+    if outcome.error is not None:
+        outcome.error = storable_text(outcome.error)
+    return outcome
 
 
 class _StageInputError(Exception):

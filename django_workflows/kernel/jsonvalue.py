@@ -50,3 +50,20 @@ def _nul_path(value: Any, path: str) -> str | None:
 def storable_text(text: str) -> str:
     """``text`` with NUL characters made visible, so it can be stored in a text column."""
     return text.replace("\x00", "\\x00")
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a Python value's type (``null``, ``boolean``, ``number``, ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list | tuple):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__

@@ -12,6 +12,7 @@ from typing import Any
 from ..blobs import BlobNotFoundError, stage_prefix, storage_key
 from ..models import Status, WorkflowRun, WorkflowStage
 from ..ports import BlobStore, Clock
+from .jsonvalue import storable_text
 from .store import write_log
 
 #: Runs that a heartbeat saw leave RUNNING, for ``is_cancelled`` without a query (Part I 15).
@@ -139,7 +140,9 @@ class KernelStageServices:
         self.pending_progress = None
         if self.stage_pk is not None:
             WorkflowStage.objects.filter(pk=self.stage_pk, status=Status.RUNNING).update(
-                progress=progress, progress_message=message[:2000], updated_at=self.clock.now()
+                progress=progress,
+                progress_message=storable_text(message[:2000]),
+                updated_at=self.clock.now(),
             )
 
     def is_cancelled(self) -> bool:

@@ -22,11 +22,16 @@ from ..errors import (
     InvalidWorkflowInputError,
     WorkflowNotFoundError,
 )
+from ..jsonvalue import json_type, storable_json_error
 from ..store import write_annotations
 from .base import HandlerOutput
 
 if TYPE_CHECKING:
     from ..dispatch import Kernel
+
+
+#: Run priorities: a signed 32-bit integer, higher runs sooner (K-CR-4).
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
 
 def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
@@ -35,10 +40,10 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
         raise WorkflowNotFoundError(cmd.workflow_id)
     if not isinstance(cmd.input, dict):
         raise InvalidWorkflowInputError(
-            f"Invalid workflow input: expected a JSON object, got {type(cmd.input).__name__}",
+            f"Invalid workflow input: expected a JSON object, got {json_type(cmd.input)}",
             field="input",
         )
-    error = workflow.input_errors(cmd.input)
+    error = workflow.input_errors(cmd.input) or storable_json_error(cmd.input)
     if error:
         raise InvalidWorkflowInputError(f"Invalid workflow input: {error}", field="input")
     if cmd.config is not None and not isinstance(cmd.config, dict):
@@ -52,6 +57,9 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
             f"valid stage ids: {', '.join(workflow.stage_ids)}",
             field="config",
         )
+    config_error = storable_json_error(cmd.config)
+    if config_error:
+        raise InvalidWorkflowConfigError(f"Invalid workflow config: {config_error}", field="config")
     config = workflow.merge_config(cmd.config)
     errors = workflow.validate_config(config)
     if errors:
@@ -61,8 +69,16 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
         raise InvalidCommandError(
             f"priority: expected an integer, got {cmd.priority!r}", field="priority"
         )
+    if not PRIORITY_MIN <= cmd.priority <= PRIORITY_MAX:
+        raise InvalidCommandError(
+            f"priority: {cmd.priority} is out of range ({PRIORITY_MIN} to {PRIORITY_MAX})",
+            field="priority",
+        )
     if cmd.metadata is not None and not isinstance(cmd.metadata, dict):
         raise InvalidCommandError("metadata: expected a JSON object", field="metadata")
+    metadata_error = storable_json_error(cmd.metadata)
+    if metadata_error:
+        raise InvalidCommandError(f"metadata: {metadata_error}", field="metadata")
     inputs = inputs_from_specs(cmd.annotations)
 
     now = kernel.clock.now()

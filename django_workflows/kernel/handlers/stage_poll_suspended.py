@@ -35,6 +35,7 @@ from .. import events as ev
 from ..commands import PollSuspendedStages, PollSuspendedStagesResult
 from ..errors import RunNotRunningError
 from ..executor import error_text
+from ..jsonvalue import storable_text
 from ..locking import require_running
 from ..outbox import append_events, new_causation_id
 from ..services import KernelStageServices
@@ -202,6 +203,7 @@ def _fail_both(
     record: WorkflowStage, error: str, now: datetime, events: list[dict[str, Any]]
 ) -> str:
     """Stage FAILED + run FAILED in one transaction (K-PS-6.1); its job FAILED (Part I item 9)."""
+    error = storable_text(str(error))
     _update_suspended(
         record,
         now,
