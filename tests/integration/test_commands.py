@@ -186,9 +186,9 @@ def test_cancel_finished_run_reports_its_status():
     run_command("workflows_tick", "--jobs", "10")
     assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED
 
-    out = run_command("workflows_cancel", run_id)
+    with pytest.raises(CommandError, match=r"^not cancelled: run is COMPLETED$"):
+        run_command("workflows_cancel", run_id)
 
-    assert out.strip() == "not cancelled: run is COMPLETED"
     assert not OutboxEvent.objects.filter(event_type="workflow:cancelled").exists()
 
 
@@ -539,7 +539,44 @@ def test_run_wait_fails_for_cancelled_run():
 
 
 def test_run_wait_times_out():
-    """--wait with --timeout 0 gives up at once on a run nobody executes."""
-    with pytest.raises(CommandError, match=r"still PENDING after 0 s"):
-        run_command("workflows_run", "flaky-demo", "--wait", "--timeout", "0")
+    """--wait with a tiny --timeout gives up on a run nobody executes."""
+    with pytest.raises(CommandError, match=r"still PENDING after 0.01 s"):
+        run_command(
+            "workflows_run", "flaky-demo", "--wait", "--timeout", "0.01", "--poll-interval", "0.01"
+        )
     assert WorkflowRun.objects.get().status == Status.PENDING
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--timeout", "5"], r"--timeout: only meaningful with --wait"),
+        (["--wait", "--timeout", "0"], r"--timeout: must be a positive number"),
+        (["--wait", "--poll-interval", "-1"], r"--poll-interval: must be a positive number"),
+    ],
+)
+def test_run_rejects_bad_wait_options_before_creating(args, message):
+    """Bad --wait options are refused before any run is created."""
+    with pytest.raises(CommandError, match=message):
+        run_command("workflows_run", "flaky-demo", *args)
+    assert not WorkflowRun.objects.exists()
+
+
+def test_run_reports_input_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "input.json"
+    path.write_bytes(b'{"limit": "\xff\xfe"}')
+    with pytest.raises(CommandError, match=r"--input: .* is not UTF-8 text"):
+        run_command("workflows_run", "flaky-demo", "--input", f"@{path}")
+    assert not WorkflowRun.objects.exists()
+
+
+def test_run_with_reused_idempotency_key_says_nothing_was_created():
+    """K-10 replay: the same key returns the first run and the command says so; a key used by
+    another workflow's run is an error."""
+    run_id = created_run_id(run_command("workflows_run", "flaky-demo", "--idempotency-key", "k"))
+
+    again = run_command("workflows_run", "flaky-demo", "--idempotency-key", "k")
+    assert f"run {run_id} already exists for idempotency key 'k'; nothing was created" in again
+    with pytest.raises(CommandError, match=rf"already used by run {run_id} of workflow flaky-demo"):
+        run_command("workflows_run", "package-report", "--idempotency-key", "k")
+    assert WorkflowRun.objects.count() == 1

@@ -20,14 +20,16 @@ from ._common import get_run
 
 class Command(BaseCommand):
     help = (
-        "Cancel a PENDING or RUNNING workflow run. Prints 'cancelled', or 'not cancelled: run "
-        "is <STATUS>' for a run that already finished."
+        "Cancel a PENDING or RUNNING workflow run. Prints 'cancelled'; a run that already "
+        "finished is an error ('not cancelled: run is <STATUS>', exit status 1)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("run_id", help="the run's id (a UUID)")
         parser.add_argument(
-            "--reason", default=None, help="why (recorded in the workflow:cancelled event)"
+            "--reason",
+            default=None,
+            help="why (recorded on the run and in the workflow:cancelled event)",
         )
 
     def handle(self, *args: Any, **opts: Any) -> None:
@@ -39,4 +41,4 @@ class Command(BaseCommand):
         status = WorkflowRun.objects.filter(pk=run.pk).values_list("status", flat=True).first()
         if status is None:
             raise CommandError(f"Workflow run {run.pk} not found")
-        self.stdout.write(f"not cancelled: run is {status}")
+        raise CommandError(f"not cancelled: run is {status}")

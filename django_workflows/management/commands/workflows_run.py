@@ -26,7 +26,13 @@ from django_workflows.annotations import AnnotationError
 from django_workflows.conventions import published_key, with_published_types
 from django_workflows.kernel import AnnotationSpec, CreateRun, WorkflowError
 from django_workflows.kernel.runtime import get_kernel
-from django_workflows.models import TERMINAL_RUN_STATUSES, Status, WorkflowRun, WorkflowStage
+from django_workflows.models import (
+    TERMINAL_RUN_STATUSES,
+    Status,
+    WorkflowJob,
+    WorkflowRun,
+    WorkflowStage,
+)
 
 from ._common import run_error
 
@@ -44,6 +50,10 @@ def load_json_argument(value: str | None, option: str) -> Any:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise CommandError(f"{option}: cannot read {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise CommandError(
+                f"{option}: {path} is not UTF-8 text (byte {exc.start}: {exc.reason})"
+            ) from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
@@ -107,6 +117,13 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **opts: Any) -> None:
+        if opts["poll_interval"] <= 0:
+            raise CommandError("--poll-interval: must be a positive number of seconds")
+        if opts["timeout"] is not None:
+            if not opts["wait"]:
+                raise CommandError("--timeout: only meaningful with --wait")
+            if opts["timeout"] <= 0:
+                raise CommandError("--timeout: must be a positive number of seconds")
         payload = load_json_argument(opts["input"], "--input")
         config = load_json_argument(opts["config"], "--config")
         annotations = self._annotations(opts["annotate"])
@@ -125,9 +142,29 @@ class Command(BaseCommand):
         except WorkflowError as exc:
             raise CommandError(str(exc)) from None
         run_id = result.workflow_run_id
-        self.stdout.write(f"run {run_id} created ({opts['workflow_id']})")
+        if result.replayed:
+            existing = WorkflowRun.objects.filter(pk=run_id).first()
+            owner = existing.workflow_id if existing else "(deleted)"
+            if owner != opts["workflow_id"]:
+                raise CommandError(
+                    f"--idempotency-key {opts['idempotency_key']!r} was already used by run "
+                    f"{run_id} of workflow {owner}; nothing was created"
+                )
+            self.stdout.write(
+                f"run {run_id} already exists for idempotency key "
+                f"{opts['idempotency_key']!r}; nothing was created"
+            )
+        else:
+            self.stdout.write(f"run {run_id} created ({opts['workflow_id']})")
         if opts["wait"]:
-            self._wait(run_id, opts["timeout"], opts["poll_interval"])
+            try:
+                self._wait(run_id, opts["timeout"], opts["poll_interval"])
+            except KeyboardInterrupt:
+                raise CommandError(
+                    f"stopped waiting; run {run_id} goes on in the background "
+                    f"(workflows_status {run_id}, workflows_cancel {run_id})",
+                    returncode=130,
+                ) from None
 
     def _annotations(self, items: list[str]) -> tuple[AnnotationSpec, ...]:
         """``--annotate KEY=VALUE``: VALUE is parsed as JSON, else kept as text. A published
@@ -187,18 +224,28 @@ class Command(BaseCommand):
             run = WorkflowRun.objects.get(pk=run_id)
             if total is None:
                 total = self._stage_total(run)
-            if run.status != status:
-                status = run.status
-                self.stdout.write(f"run {run_id} {status}")
+            retries = {
+                job.stage_id: job
+                for job in WorkflowJob.objects.filter(
+                    workflow_run_id=run_id, status=Status.PENDING, attempt__gt=0
+                )
+            }
             for stage in WorkflowStage.objects.filter(run_id=run_id).order_by(
                 "execution_group", "stage_number"
             ):
                 pct = int(stage.progress or 0)
-                key = (stage.status, pct if stage.status == Status.RUNNING else -1)
+                retry = retries.get(stage.stage_id)
+                key = (
+                    stage.status,
+                    pct if stage.status == Status.RUNNING else (retry.attempt if retry else -1),
+                )
                 if seen.get(stage.stage_id) == key:
                     continue
                 seen[stage.stage_id] = key
-                self.stdout.write(self._stage_line(stage, total))
+                self.stdout.write(self._stage_line(stage, total, retry))
+            if run.status != status and run.status not in TERMINAL_RUN_STATUSES:
+                status = run.status
+                self.stdout.write(f"run {run_id} {status}")
             self.stdout.flush()
             if run.status in TERMINAL_RUN_STATUSES:
                 break
@@ -218,7 +265,9 @@ class Command(BaseCommand):
         workflow = registry.get(run.workflow_id)
         return len(workflow.stage_ids) if workflow else 0
 
-    def _stage_line(self, stage: WorkflowStage, total: int) -> str:
+    def _stage_line(
+        self, stage: WorkflowStage, total: int, retry: WorkflowJob | None = None
+    ) -> str:
         width = 20
         head = f"  [{stage.stage_number}/{total}] {stage.stage_id:<22} {stage.status:<9}"
         if stage.status == Status.RUNNING:
@@ -232,5 +281,9 @@ class Command(BaseCommand):
             when = stage.next_poll_at.strftime("%H:%M:%S") if stage.next_poll_at else "?"
             return f"{head} waiting (next poll {when})"
         if stage.status == Status.FAILED:
-            return f"{head} {stage.error_message or ''}".rstrip()
+            line = f"{head} {stage.error_message or ''}".rstrip()
+            if retry is not None:
+                when = retry.next_poll_at.strftime("%H:%M:%S") if retry.next_poll_at else "soon"
+                line += f" (retry: delivery {retry.attempt + 1} of {retry.max_attempts} at {when})"
+            return line
         return head
