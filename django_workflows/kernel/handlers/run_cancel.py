@@ -4,7 +4,8 @@ Locks the run row; a missing or terminal run answers ``cancelled=False`` and wri
 Otherwise, in one transaction: run CANCELLED (its ``output`` records
 ``{"error": {"code": "CANCELLED", "message": reason}}`` so operators see why), every open stage
 record CANCELLED (poll time cleared), PENDING/SUSPENDED jobs CANCELLED, ``workflow:cancelled``.
-RUNNING jobs keep running; their results are discarded by the RUNNING guard of ``job.execute`` (K-JE-15, Part I item 1).
+RUNNING jobs keep running; their results are discarded by the RUNNING guard of
+``job.execute`` (K-JE-15, Part I item 1).
 """
 
 from __future__ import annotations
