@@ -185,11 +185,25 @@ class Stage:
         return dict(self._defaults)
 
     def validate_config(self, raw: Any) -> str | None:
-        """``None`` if ``raw`` is a valid config slice, else the error text (WF-42)."""
+        """``None`` if ``raw`` is a valid config slice, else the error text (WF-42).
+
+        Keys the config model does not know are errors too (a typo would otherwise be
+        dropped silently), unless the model sets ``extra="allow"``.
+        """
         try:
             self.parse_config(raw or {})
         except ValidationError as exc:
             return format_validation_error(exc)
+        if isinstance(raw, dict) and self.config_model.model_config.get("extra") != "allow":
+            known = set()
+            for name, info in self.config_model.model_fields.items():
+                known.update({name, info.alias or name})
+            unknown = sorted(str(k) for k in raw if k not in known)
+            if unknown:
+                return (
+                    f"unknown config keys {', '.join(unknown)}; "
+                    f"known keys: {', '.join(sorted(known)) or '(none)'}"
+                )
         return None
 
     def __repr__(self) -> str:

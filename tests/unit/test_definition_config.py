@@ -199,3 +199,27 @@ def test_stage_validate_config_returns_none_when_valid() -> None:
     assert stage.validate_config({"count": 0}) == (
         "count: Input should be greater than or equal to 1"
     )
+
+
+def test_validate_config_rejects_unknown_keys_unless_model_allows_extra() -> None:
+    """A typo in a config key is an error naming the key and the known keys."""
+    from pydantic import BaseModel, ConfigDict
+
+    from django_workflows import define_stage
+
+    class Strict(BaseModel):
+        top_words: int = 15
+
+    class Open(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        top_words: int = 15
+
+    strict = define_stage(id="strict", execute=lambda ctx: {}, config=Strict)
+    assert strict.validate_config({"top_wrods": 3}) == (
+        "unknown config keys top_wrods; known keys: top_words"
+    )
+    assert strict.validate_config({"top_words": 3}) is None
+    loose = define_stage(id="open", execute=lambda ctx: {}, config=Open)
+    assert loose.validate_config({"anything": 1}) is None
+    none = define_stage(id="none", execute=lambda ctx: {})
+    assert none.validate_config({"zzz": 1}) == "unknown config keys zzz; known keys: (none)"
