@@ -68,6 +68,8 @@ def run_document(
         "completed_at": run.completed_at,
         "duration_ms": run.duration_ms,
         "error": run_error(run, stages),
+        "input": run.input,
+        "config": run.config,
         "output": run.output,
         "stages": [
             {
@@ -98,8 +100,9 @@ def _progress(value: float | None) -> str:
 class Command(BaseCommand):
     help = (
         "Show a workflow run: header (workflow, status, priority, times, duration in seconds, "
-        "error) and one line per stage record (execution group, stage id, status, attempt, "
-        "progress in %, duration in seconds, error and any pending retry). --json prints a "
+        "error) and one line per stage record (execution group, stage id, status, rerun "
+        "generation, job deliveries/max, progress in %, duration in seconds, error and any "
+        "pending retry). --json prints a "
         "JSON document (durations in milliseconds)."
     )
 
@@ -139,7 +142,7 @@ class Command(BaseCommand):
             return
         width = max(len("stage"), *(len(s.stage_id) for s in stages))
         write(
-            f"{'group':>5}  {'stage':<{width}}  {'status':<9}  {'attempt':>7}  "
+            f"{'group':>5}  {'stage':<{width}}  {'status':<9}  {'rerun':>5}  {'tries':>5}  "
             f"{'progress':>8}  {'duration':>10}  error"
         )
         for s in stages:
@@ -147,8 +150,11 @@ class Command(BaseCommand):
             error = " ".join(
                 part for part in (s.error_message, f"({note})" if note else "") if part
             )
+            job = jobs.get(s.stage_id)
+            tries = f"{job.attempt}/{job.max_attempts}" if job is not None else "-"
             line = (
-                f"{s.execution_group:>5}  {s.stage_id:<{width}}  {s.status:<9}  {s.attempt:>7}  "
-                f"{_progress(s.progress):>8}  {format_duration_ms(s.duration_ms):>10}  {error}"
+                f"{s.execution_group:>5}  {s.stage_id:<{width}}  {s.status:<9}  {s.attempt:>5}  "
+                f"{tries:>5}  {_progress(s.progress):>8}  "
+                f"{format_duration_ms(s.duration_ms):>10}  {error}"
             )
             write(line.rstrip())
