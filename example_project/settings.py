@@ -30,6 +30,9 @@ INSTALLED_APPS = [
     "django_workflows",
     "example_project.docpipeline",
 ]
+# Test hook: comma-separated extra apps, e.g. the crash-test workflows of tests/acceptance
+# (EXTRA_INSTALLED_APPS=tests.acceptance.crashapp). Empty by default.
+INSTALLED_APPS += [app for app in os.environ.get("EXTRA_INSTALLED_APPS", "").split(",") if app]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
@@ -117,6 +120,8 @@ DJANGO_WORKFLOWS = {
     "TICK_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_TICK_INTERVAL", "0.5")),
     "STALE_LEASE_SECONDS": int(os.environ.get("WORKFLOWS_STALE_LEASE_SECONDS", "300")),
     "HEARTBEAT_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_HEARTBEAT_SECONDS", "30")),
+    # Comma-separated dotted paths of plugins (the acceptance tests' event recorder).
+    "PLUGINS": [p for p in os.environ.get("WORKFLOWS_PLUGINS", "").split(",") if p],
 }
 
 REST_FRAMEWORK = {

@@ -9,23 +9,14 @@ a real suspension (the dependency graph is computed by a django-q2 background ta
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from django.conf import settings
 
-from tests.markers import ON_POSTGRES
+from .harness import manage
 
 pytestmark = pytest.mark.acceptance
-
-ROOT = Path(__file__).resolve().parents[2]
 
 INSPECT = """
 import json
@@ -44,85 +35,10 @@ print(json.dumps({
 """
 
 
-def _pg_url(name: str) -> str:
-    db = settings.DATABASES["default"]
-    return f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{name}"
-
-
-@pytest.fixture
-def database_url(tmp_path: Path) -> Iterator[str]:
-    """A fresh, empty database for the subprocesses, dropped afterwards."""
-    if not ON_POSTGRES:
-        yield f"sqlite:///{tmp_path / 'acceptance.sqlite3'}"
-        return
-    import psycopg
-
-    db = settings.DATABASES["default"]
-    name = f"dw_acceptance_{uuid.uuid4().hex[:8]}"
-    admin = f"postgresql://{db['USER']}@{db['HOST']}:{db['PORT']}/postgres"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield _pg_url(name)
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def _env(database_url: str, var_dir: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        DATABASE_URL=database_url,
-        EXAMPLE_VAR_DIR=str(var_dir),
-        DJANGO_SETTINGS_MODULE="example_project.settings",
-        Q_WORKERS="2",
-        WORKFLOWS_TICK_INTERVAL="0.2",
-        PYTHONUNBUFFERED="1",
-    )
-    return env
-
-
-def _manage(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-@pytest.fixture
-def cluster(database_url: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """A migrated database and a running ``qcluster``; stopped with SIGTERM to its main process."""
-    env = _env(database_url, tmp_path / "var")
-    migrated = _manage(env, "migrate", "--noinput", "-v0")
-    assert migrated.returncode == 0, migrated.stderr
-    log = open(tmp_path / "qcluster.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "manage.py", "qcluster"],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        yield {"env": env, "proc": proc, "var": tmp_path / "var", "log": tmp_path / "qcluster.log"}
-    finally:
-        proc.send_signal(signal.SIGTERM)  # the main process only: a group SIGTERM hangs it
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
 def test_example_pipeline_completes_through_real_workers(cluster: dict[str, Any]) -> None:
     """The demo's README command path: workflows_run --wait against a live cluster."""
     env = cluster["env"]
-    done = _manage(
+    done = manage(
         env,
         "workflows_run",
         "package-report",
@@ -139,7 +55,7 @@ def test_example_pipeline_completes_through_real_workers(cluster: dict[str, Any]
     assert "dependency-graph       SUSPENDED" in done.stdout  # live progress showed the wait
     assert "COMPLETED in" in done.stdout
 
-    state = json.loads(_manage(env, "shell", "-v0", "-c", INSPECT).stdout)
+    state = json.loads(manage(env, "shell", "-v0", "-c", INSPECT).stdout)
     assert state["status"] == "COMPLETED"
     assert set(state["stages"].values()) == {"COMPLETED"}
     assert len(state["stages"]) == 5

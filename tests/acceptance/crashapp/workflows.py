@@ -1,0 +1,217 @@
+"""Workflows whose stages stop at a known point, so a test can kill the cluster there.
+
+The tests pass a directory in ``CRASH_DIR``. A blocking stage (or ``check_completion``) appends
+one line per entry to ``{CRASH_DIR}/{run_id}.{name}.entries``; on its first entry it also writes
+``{run_id}.{name}.blocked`` and then waits ``CRASH_BLOCK_SECONDS`` (default 60) - long enough
+for the test to SIGKILL the cluster, bounded so a broken test cannot hang. Later entries go
+straight through.
+
+* ``crash-pipeline``: prepare -> hang (blocks on its first delivery) -> finish.
+* ``crash-poll``: prepare -> batch (async batch; the first ``check_completion`` blocks) -> finish.
+* ``race-pipeline``: a -> [b | c] -> d (async batch, ready after a random number of polls) -> e,
+  every sync stage sleeping a few random milliseconds; run by the cancel race test.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from django_workflows import (
+    CompletionCheck,
+    StageContext,
+    Suspend,
+    define_async_batch_stage,
+    define_workflow,
+    register,
+    stage,
+)
+
+
+def crash_dir() -> Path:
+    return Path(os.environ["CRASH_DIR"])
+
+
+def enter(run_id: str, name: str) -> int:
+    """Record one entry into ``name`` of the run; returns how many entries there were so far."""
+    path = crash_dir() / f"{run_id}.{name}.entries"
+    with open(path, "a") as fh:
+        fh.write(f"{os.getpid()}\n")
+    return len(path.read_text().splitlines())
+
+
+def block_first_entry(run_id: str, name: str) -> int:
+    """Block on the first entry (after writing the ``.blocked`` marker); returns the count."""
+    count = enter(run_id, name)
+    if count == 1:
+        (crash_dir() / f"{run_id}.{name}.blocked").write_text(str(os.getpid()))
+        deadline = time.monotonic() + float(os.environ.get("CRASH_BLOCK_SECONDS", "60"))
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+    return count
+
+
+# --- crash-pipeline and crash-poll ---------------------------------------------------------------
+
+
+class CrashInput(BaseModel):
+    label: str = "crash"
+
+
+class Prepared(BaseModel):
+    label: str
+    token: str
+
+
+class Delivered(BaseModel):
+    label: str
+    deliveries: int
+
+
+class Finished(BaseModel):
+    label: str
+    deliveries: int
+    summary: str
+
+
+@stage(id="prepare", input=CrashInput, output=Prepared)
+def prepare(ctx: StageContext[CrashInput, Any]) -> Prepared:
+    return Prepared(label=ctx.input.label, token=f"{ctx.input.label}-{ctx.workflow_run_id[:8]}")
+
+
+@stage(id="hang", input=Prepared, output=Delivered)
+def hang(ctx: StageContext[Prepared, Any]) -> Delivered:
+    """Blocks on its first delivery; the re-delivery after a crash goes through."""
+    count = block_first_entry(ctx.workflow_run_id, "hang")
+    return Delivered(label=ctx.input.label, deliveries=count)
+
+
+@stage(id="finish", input=Delivered, output=Finished)
+def finish(ctx: StageContext[Delivered, Any]) -> Finished:
+    prepared: Prepared = ctx.require("prepare")
+    return Finished(
+        label=ctx.input.label,
+        deliveries=ctx.input.deliveries,
+        summary=f"{prepared.token}:{ctx.input.deliveries}",
+    )
+
+
+crash_pipeline = register(
+    define_workflow(id="crash-pipeline", name="Crash: blocking stage", input=CrashInput)
+    .pipe(prepare)
+    .pipe(hang)
+    .pipe(finish)
+    .build()
+)
+
+
+def submit_batch(ctx: StageContext[Prepared, Any]) -> Suspend:
+    enter(ctx.workflow_run_id, "submit")
+    return Suspend(
+        state={"batch_id": f"batch-{ctx.workflow_run_id}", "label": ctx.input.label},
+        poll_interval_seconds=0.2,
+        max_wait_seconds=300,
+    )
+
+
+def batch_ready(state: dict[str, Any], ctx: Any) -> CompletionCheck:
+    """Blocks on the first poll; the next poll (after a crash) reports the batch done."""
+    count = block_first_entry(ctx.workflow_run_id, "poll")
+    return CompletionCheck.done({"label": state["label"], "deliveries": count})
+
+
+batch = define_async_batch_stage(
+    id="batch",
+    input=Prepared,
+    output=Delivered,
+    execute=submit_batch,
+    check_completion=batch_ready,
+)
+
+crash_poll = register(
+    define_workflow(id="crash-poll", name="Crash: blocking poll", input=CrashInput)
+    .pipe(prepare)
+    .pipe(batch)
+    .pipe(finish)
+    .build()
+)
+
+
+# --- race-pipeline -------------------------------------------------------------------------------
+
+
+class RaceInput(BaseModel):
+    seed: int = 0
+
+
+class Step(BaseModel):
+    seed: int
+    path: list[str] = Field(default_factory=list)
+
+
+class Joined(BaseModel):
+    b: Step
+    c: Step
+
+
+def _nap() -> None:
+    time.sleep(random.uniform(0.0, 0.2))
+
+
+@stage(id="a", input=RaceInput, output=Step)
+def race_a(ctx: StageContext[RaceInput, Any]) -> Step:
+    _nap()
+    return Step(seed=ctx.input.seed, path=["a"])
+
+
+@stage(id="b", input=Step, output=Step)
+def race_b(ctx: StageContext[Step, Any]) -> Step:
+    _nap()
+    return Step(seed=ctx.input.seed, path=[*ctx.input.path, "b"])
+
+
+@stage(id="c", input=Step, output=Step)
+def race_c(ctx: StageContext[Step, Any]) -> Step:
+    _nap()
+    return Step(seed=ctx.input.seed, path=[*ctx.input.path, "c"])
+
+
+def race_submit(ctx: StageContext[Joined, Any]) -> Suspend:
+    _nap()
+    return Suspend(
+        state={"batch_id": f"race-{ctx.workflow_run_id}", "seed": ctx.input.b.seed},
+        poll_interval_seconds=0.1,
+        max_wait_seconds=300,
+    )
+
+
+def race_check(state: dict[str, Any], ctx: Any) -> CompletionCheck:
+    if random.random() < 0.5:
+        return CompletionCheck.not_ready(0.1)
+    return CompletionCheck.done({"seed": state["seed"], "path": ["a", "b", "c", "d"]})
+
+
+race_d = define_async_batch_stage(
+    id="d", input=Joined, output=Step, execute=race_submit, check_completion=race_check
+)
+
+
+@stage(id="e", input=Step, output=Step)
+def race_e(ctx: StageContext[Step, Any]) -> Step:
+    _nap()
+    return Step(seed=ctx.input.seed, path=[*ctx.input.path, "e"])
+
+
+race_pipeline = register(
+    define_workflow(id="race-pipeline", name="Cancel race", input=RaceInput)
+    .pipe(race_a)
+    .parallel([race_b, race_c])
+    .pipe(race_d)
+    .pipe(race_e)
+    .build()
+)
