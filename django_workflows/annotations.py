@@ -241,16 +241,38 @@ class AnnotationInput:
     emit_event: bool = False
 
 
-def check_json(value: Any, *, field: str) -> None:
-    """Raise :class:`AnnotationError` naming ``field`` unless ``value`` encodes as JSON
-    (with Django's encoder: datetimes, decimals and UUIDs are fine; NaN is not).
+#: Largest annotation value, JSON-encoded (bytes). Annotations are facts, not documents.
+MAX_VALUE_BYTES = 64 * 1024
+#: Largest annotation payload, JSON-encoded (bytes).
+MAX_PAYLOAD_BYTES = 1024 * 1024
+
+
+def check_json(value: Any, *, field: str, max_bytes: int = MAX_VALUE_BYTES) -> None:
+    """Raise :class:`AnnotationError` naming ``field`` unless ``value`` encodes as JSON that
+    both databases can store (Django's encoder: datetimes, decimals and UUIDs are fine; NaN,
+    Infinity and NUL characters are not) within ``max_bytes``.
     """
     from django.core.serializers.json import DjangoJSONEncoder
 
+    from .kernel.jsonvalue import storable_json_error
+
     try:
-        json.dumps(value, cls=DjangoJSONEncoder, allow_nan=False)
+        encoded = json.dumps(value, cls=DjangoJSONEncoder, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise AnnotationError(f"{field}: not a JSON value ({exc})", field=field) from None
+    problem = storable_json_error(value)
+    if problem:
+        raise AnnotationError(f"{field}: {problem}", field=field)
+    size = len(encoded.encode())
+    if size > max_bytes:
+        raise AnnotationError(
+            f"{field}: {size} bytes of JSON is more than the {max_bytes} allowed", field=field
+        )
+
+
+def _check_text(value: str, field: str) -> None:
+    if "\x00" in value:
+        raise AnnotationError(f"{field}: contains a NUL character (\\u0000)", field=field)
 
 
 def normalise_actor(actor: Any, *, field: str = "actor") -> dict[str, str | None] | None:
@@ -284,6 +306,7 @@ def normalise_actor(actor: Any, *, field: str = "actor") -> dict[str, str | None
             )
         if len(value) > limit:
             raise AnnotationError(f"{where}: longer than {limit} characters", field=where)
+        _check_text(value, where)
         out[name] = value
     return out or None
 
@@ -298,6 +321,7 @@ def check_idempotency_key(value: Any, *, field: str = "idempotency_key") -> str 
         raise AnnotationError(
             f"{field}: longer than {MAX_IDEMPOTENCY_KEY_LENGTH} characters", field=field
         )
+    _check_text(value, field)
     return value
 
 
@@ -309,6 +333,7 @@ def check_scope(scope: Any, scope_id: Any) -> tuple[str, str | None]:
         )
     if len(scope) > MAX_SCOPE_LENGTH:
         raise AnnotationError(f"scope: longer than {MAX_SCOPE_LENGTH} characters", field="scope")
+    _check_text(scope, "scope")
     if scope_id is not None:
         if not isinstance(scope_id, str) or not scope_id:
             raise AnnotationError(
@@ -318,6 +343,7 @@ def check_scope(scope: Any, scope_id: Any) -> tuple[str, str | None]:
             raise AnnotationError(
                 f"scope_id: longer than {MAX_SCOPE_ID_LENGTH} characters", field="scope_id"
             )
+        _check_text(scope_id, "scope_id")
     return scope, scope_id
 
 
@@ -352,7 +378,7 @@ def build_inputs(
         )
     actor_dict = normalise_actor(actor, field=f"{field_prefix}actor")
     if payload is not None:
-        check_json(payload, field=f"{field_prefix}payload")
+        check_json(payload, field=f"{field_prefix}payload", max_bytes=MAX_PAYLOAD_BYTES)
     key = check_idempotency_key(idempotency_key, field=f"{field_prefix}idempotency_key")
     if not isinstance(emit_event, bool):
         where = f"{field_prefix}emit_event"
@@ -364,11 +390,21 @@ def build_inputs(
         validate_key(name, field=where if isinstance(name, str) else f"{field_prefix}attributes")
         if value is None:  # AN-5
             continue
-        if isinstance(raw_key, TypedKey):
-            value = raw_key.validate(value, field=where)
+        typed = raw_key if isinstance(raw_key, TypedKey) else _published(cast(str, name))
+        if typed is not None:
+            value = typed.validate(value, field=where)
         check_json(value, field=where)
         inputs.append(AnnotationInput(cast(str, name), value, actor_dict, payload, key, emit_event))
     return inputs
+
+
+def _published(key: str) -> TypedKey[Any] | None:
+    """The convention's typed key for a published key string, so its value type is checked
+    whichever way the key is written (AN-51).
+    """
+    from .conventions import published_key
+
+    return published_key(key)
 
 
 def inputs_from_envelope(

@@ -18,6 +18,7 @@ from .commands import (
 from .dispatch import Kernel
 from .errors import (
     IdempotencyInProgressError,
+    IdempotencyKeyReusedError,
     InvalidCommandError,
     InvalidWorkflowConfigError,
     InvalidWorkflowInputError,
@@ -38,6 +39,7 @@ __all__ = [
     "ExecuteJob",
     "FlushOutbox",
     "IdempotencyInProgressError",
+    "IdempotencyKeyReusedError",
     "InvalidCommandError",
     "InvalidWorkflowConfigError",
     "InvalidWorkflowInputError",

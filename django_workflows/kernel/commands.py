@@ -25,6 +25,12 @@ class Result:
 
     replayed: bool = False
 
+    def matches(self, command: Any) -> bool:
+        """Whether a cached result can answer ``command`` (a replay of another command's key
+        that names a different target is refused, see ``IdempotencyKeyReusedError``).
+        """
+        return True
+
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)  # type: ignore[call-overload,no-any-return]
 
@@ -178,6 +184,12 @@ class RerunFromResult(Result):
     workflow_run_id: str
     from_stage_id: str
     deleted_stages: list[str]
+
+    def matches(self, command: Any) -> bool:
+        return (
+            str(self.workflow_run_id) == str(command.workflow_run_id)
+            and self.from_stage_id == command.from_stage_id
+        )
 
 
 # --- job.execute (K-JE) -----------------------------------------------------------------------

@@ -31,7 +31,12 @@ from ..definition.registry import registry as default_registry
 from ..ports import BlobStore, Clock, EventSink, JobTransport, SystemClock
 from . import commands as c
 from . import idempotency
-from .errors import IdempotencyInProgressError, InvalidCommandError, UnknownCommandError
+from .errors import (
+    IdempotencyInProgressError,
+    IdempotencyKeyReusedError,
+    InvalidCommandError,
+    UnknownCommandError,
+)
 from .handlers.base import HandlerOutput
 from .outbox import append_events, new_causation_id
 from .queue import JobQueue
@@ -125,6 +130,8 @@ class Kernel:
         )
         if acquired.outcome == "replay":
             replayed = result_cls.from_json(acquired.result)
+            if not replayed.matches(command):
+                raise IdempotencyKeyReusedError(key, command.type, _describe(replayed))
             replayed.replayed = True
             return replayed
         if acquired.outcome == "in_progress":
@@ -149,6 +156,15 @@ class Kernel:
             out: HandlerOutput = handler(self, command)
             append_events(out.events, key or new_causation_id(), self.clock.now())
         return out.result
+
+
+def _describe(result: c.Result) -> str:
+    data = result.to_json()
+    run = data.get("workflow_run_id")
+    stage = data.get("from_stage_id")
+    if run and stage:
+        return f"run {run} from stage {stage!r}"
+    return f"run {run}" if run else "another request"
 
 
 @functools.cache

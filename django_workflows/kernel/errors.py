@@ -98,3 +98,18 @@ class RunNotRunningError(WorkflowError):
         super().__init__(f"Workflow run {run_id} is {status}, expected RUNNING")
         self.run_id = run_id
         self.status = status
+
+
+class IdempotencyKeyReusedError(WorkflowError):
+    """An idempotency key already answered a different request of the same command type (for
+    example a rerun of another run); nothing was done.
+    """
+
+    def __init__(self, key: str, command_type: str, earlier: str) -> None:
+        super().__init__(
+            f"idempotency_key {key!r} was already used for {command_type} of {earlier}; "
+            "nothing was done (use a new key)"
+        )
+        self.key = key
+        self.command_type = command_type
+        self.field = "idempotency_key"

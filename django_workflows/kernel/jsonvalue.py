@@ -24,7 +24,8 @@ def storable_json_error(value: Any) -> str | None:
         return str(exc)
     path = _nul_path(value, "")
     if path is not None:
-        return f"{path or '(root)'} contains a NUL character (\\u0000), which cannot be stored"
+        where = f"{path} " if path else ""
+        return f"{where}contains a NUL character (\\u0000), which cannot be stored"
     return None
 
 

@@ -300,7 +300,7 @@ def test_approval_deadline_fails_the_run(kernel_for: KernelFor, clock: FakeClock
     _drive(kernel, clock, rounds=5)
     assert WorkflowRun.objects.get(pk=run_id).status == Status.FAILED
     error = WorkflowStage.objects.get(run_id=run_id, stage_id="review").error_message
-    assert "maxWaitUntil" in error
+    assert "max_wait_until" in error
 
 
 def test_approval_stage_rejects_bad_settings() -> None:

@@ -288,7 +288,7 @@ def test_poll_past_max_wait_fails_stage_and_run(kernel_for: KernelFor, clock: Fa
     assert check.calls == 1
     record = _record(run_id)
     assert record.status == Status.FAILED
-    assert "maxWaitUntil" in (record.error_message or "")
+    assert "max_wait_until" in (record.error_message or "")
     assert "batch" in (record.error_message or "")
     assert _run(run_id).status == Status.FAILED
 

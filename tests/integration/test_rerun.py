@@ -439,3 +439,24 @@ def test_rerun_command_errors_are_precise(global_two_stage: str) -> None:
     with pytest.raises(CommandError, match="--idempotency-key: must not be empty"):
         _call(str(run_id), "add-1", "--idempotency-key", " ")
     assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED
+
+
+def test_rerun_idempotency_key_reused_for_another_run_is_refused(kernel_for) -> None:
+    """K-10: a key that answered a rerun of run A does not silently 'replay' for run B."""
+    from django_workflows.kernel import CreateRun, IdempotencyKeyReusedError, RerunFrom
+    from django_workflows.models import WorkflowRun
+    from django_workflows.testing import run_to_completion
+    from tests.workflows import two_stage
+
+    kernel = kernel_for(two_stage())
+    first = kernel.dispatch(CreateRun("two-stage", {"value": 1})).workflow_run_id
+    second = kernel.dispatch(CreateRun("two-stage", {"value": 2})).workflow_run_id
+    run_to_completion(kernel, first)
+    run_to_completion(kernel, second)
+
+    done = kernel.dispatch(RerunFrom(first, "add-10", idempotency_key="fix-1"))
+    again = kernel.dispatch(RerunFrom(first, "add-10", idempotency_key="fix-1"))
+    assert again.replayed and again.deleted_stages == done.deleted_stages
+    with pytest.raises(IdempotencyKeyReusedError, match=rf"run {first} from stage 'add-10'"):
+        kernel.dispatch(RerunFrom(second, "add-10", idempotency_key="fix-1"))
+    assert WorkflowRun.objects.get(pk=second).status == "COMPLETED"

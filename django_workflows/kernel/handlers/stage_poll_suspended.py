@@ -131,7 +131,7 @@ def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
         elif record.max_wait_until is not None and record.max_wait_until <= now:
             outcome = _fail_both(
                 record,
-                f"Stage {record.stage_id!r} did not complete before its maxWaitUntil "
+                f"Stage {record.stage_id!r} did not complete before its deadline, max_wait_until "
                 f"({record.max_wait_until.isoformat()})",
                 now,
                 events,

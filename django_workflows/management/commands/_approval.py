@@ -58,6 +58,8 @@ class DecisionCommand(BaseCommand):
                     f"allowed approvers: {allowed}"
                 )
             return
+        if opts["by"] is not None and not opts["by"].strip():
+            raise CommandError("--by: must not be empty (omit it to use the OS user name)")
         try:
             result: ApprovalRecorded = decide(
                 run.pk,

@@ -46,6 +46,12 @@ class Command(BaseCommand):
             result = get_kernel().dispatch(RerunFrom(run.pk, opts["stage_id"], idempotency_key=key))
         except WorkflowError as exc:
             raise CommandError(str(exc)) from None
+        if result.replayed:
+            self.stdout.write(
+                f"run {result.workflow_run_id} was already rerun from {result.from_stage_id} "
+                f"with idempotency key {key!r}; nothing was done"
+            )
+            return
         deleted = ", ".join(result.deleted_stages) or "none"
         attempt = (
             WorkflowStage.objects.filter(run_id=run.pk, stage_id=result.from_stage_id)
