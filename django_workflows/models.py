@@ -258,7 +258,8 @@ class WorkflowAnnotation(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.key}={self.value!r}"
+        value = repr(self.value)
+        return f"{self.key}={value if len(value) <= 60 else value[:59] + '…'}"
 
 
 class OutboxEvent(models.Model):
@@ -268,6 +269,8 @@ class OutboxEvent(models.Model):
     A dead letter (``dlq_at`` set, ``published_at`` empty) blocks the later events of its run
     until it is replayed or skipped by an operator; a skipped row keeps ``dlq_at`` and gets
     ``published_at`` = ``skipped_at`` and the operator's ``skip_note`` (Part I item 16).
+    ``last_error`` is the error of the latest failed delivery (cleared by a replay, kept on a
+    skip).
     """
 
     id = models.BigAutoField(primary_key=True)
@@ -283,6 +286,7 @@ class OutboxEvent(models.Model):
     dlq_at = models.DateTimeField(null=True, blank=True)
     skipped_at = models.DateTimeField(null=True, blank=True)
     skip_note = models.TextField(blank=True, default="")
+    last_error = models.TextField(null=True, blank=True)
 
     class Meta:
         db_table = "outbox_events"

@@ -55,8 +55,10 @@ BADGE_STYLE = (
     "font-weight:600;line-height:16px;white-space:nowrap;background:{};color:{}"
 )
 
-#: JSON longer than this is cut in the pretty view (the raw value stays in the database).
-MAX_JSON_CHARS = 100_000
+#: JSON longer than this (characters) is cut wherever the admin shows it - detail pages, the
+#: run timeline - with a note saying how much was left out; the raw value stays in the database.
+#: Keeps a page small whatever a stage stored (a 5 MB annotation payload once made a 15 MB page).
+MAX_JSON_CHARS = 2_000
 
 
 def badge(label: str, tone: str | None = None) -> SafeString:
@@ -116,14 +118,24 @@ def to_json(value: Any) -> str:
     return json.dumps(value, indent=2, ensure_ascii=False, cls=DjangoJSONEncoder, default=str)
 
 
+def cut_text(text: str, limit: int = MAX_JSON_CHARS) -> str:
+    """``text`` cut to ``limit`` characters plus a ``… (N more characters)`` line when longer."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}\n… ({len(text) - limit:,} more characters)"
+
+
+def bounded_json(value: Any, limit: int = MAX_JSON_CHARS) -> str:
+    """``value`` as indented JSON, cut by :func:`cut_text` to at most ``limit`` characters."""
+    return cut_text(to_json(value), limit)
+
+
 def pretty_json(value: Any) -> SafeString | str:
-    """``value`` pretty-printed in a ``<pre>`` block; ``-`` for ``None``."""
+    """``value`` pretty-printed in a ``<pre>`` block, at most ``MAX_JSON_CHARS`` characters;
+    ``-`` for ``None``."""
     if value is None:
         return "-"
-    text = to_json(value)
-    if len(text) > MAX_JSON_CHARS:
-        text = text[:MAX_JSON_CHARS] + f"\n… ({len(text) - MAX_JSON_CHARS} more characters)"
-    return format_html('<pre class="dw-json">{}</pre>', text)
+    return format_html('<pre class="dw-json">{}</pre>', bounded_json(value))
 
 
 def short_json(value: Any, limit: int = 80) -> str:

@@ -175,6 +175,7 @@ class OutboxEventAdmin(ReadOnlyAdmin):
         "summary",
         "delivery",
         "retry_count",
+        "short_error",
         "occurred_at",
     )
     list_filter = ("event_type", DeliveryFilter)
@@ -190,6 +191,7 @@ class OutboxEventAdmin(ReadOnlyAdmin):
         "event_type",
         "delivery",
         "retry_count",
+        "error",
         "occurred_at",
         "created_at",
         "published_at",
@@ -246,6 +248,20 @@ class OutboxEventAdmin(ReadOnlyAdmin):
     @admin.display(description="delivery")
     def delivery(self, obj: OutboxEvent) -> SafeString:
         return badge(event_state(obj, bool(getattr(obj, "run_blocked", False))))
+
+    @admin.display(description="last error")
+    def short_error(self, obj: OutboxEvent) -> str:
+        """The first line of the latest delivery error, cut to 80 characters."""
+        if not obj.last_error:
+            return "-"
+        return Truncator(obj.last_error.splitlines()[0]).chars(80)
+
+    @admin.display(description="last error")
+    def error(self, obj: OutboxEvent) -> SafeString | str:
+        """Why the latest delivery failed (cleared by a replay, kept on a skip)."""
+        if not obj.last_error:
+            return "-"
+        return format_html('<pre class="dw-json">{}</pre>', obj.last_error)
 
     @admin.display(description="payload")
     def payload_json(self, obj: OutboxEvent) -> SafeString | str:

@@ -15,7 +15,7 @@ from django.db.models import QuerySet
 from django.utils.safestring import SafeString
 
 from ..models import OutboxEvent, WorkflowAnnotation, WorkflowLog, WorkflowRun
-from .display import badge, format_duration_ms, short_json, to_json
+from .display import badge, bounded_json, cut_text, format_duration_ms, short_json
 
 #: Rows read per source for one page; older rows are reachable through the filtered lists.
 DEFAULT_LIMIT = 500
@@ -60,7 +60,8 @@ class TimelineEntry:
 
     @property
     def detail_json(self) -> str:
-        return to_json(self.detail)
+        """The detail as indented JSON, cut to ``MAX_JSON_CHARS`` characters with a note."""
+        return bounded_json(self.detail)
 
     @property
     def sort_key(self) -> tuple[datetime, int, int]:
@@ -138,7 +139,7 @@ def build_timeline(run: WorkflowRun, limit: int = DEFAULT_LIMIT) -> Timeline:
                 kind="event",
                 label=e.event_type,
                 stage_id=payload.get("stage_id"),
-                summary=event_summary(payload),
+                summary=cut_text(event_summary(payload)),
                 detail=e.payload,
                 state=event_state(e, blocked),
                 order=e.sequence,
@@ -156,7 +157,7 @@ def build_timeline(run: WorkflowRun, limit: int = DEFAULT_LIMIT) -> Timeline:
                 kind="log",
                 label=log.level,
                 stage_id=log.stage.stage_id if log.stage is not None else None,
-                summary=log.message,
+                summary=cut_text(log.message),
                 detail=log.metadata,
                 state=log.level,
                 order=log.pk,

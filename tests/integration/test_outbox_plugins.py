@@ -108,7 +108,7 @@ def test_events_wait_in_the_outbox_until_a_flush_publishes_them(
     assert (row.event_type, row.published_at) == (ev.WORKFLOW_CREATED, None)
 
     assert _flush(kernel) == 1
-    assert sink.events == [row.payload]
+    assert sink.events == [{**row.payload, "sequence": 1, "event_id": row.pk}]
     assert _row(run_id, 1).published_at == kernel.clock.now()
     assert _flush(kernel) == 0
 
@@ -528,6 +528,7 @@ def test_outbox_command_lists_dead_letters(clock: FakeClock) -> None:
         "retry_count": 3,
         "dlq_at": clock.now().isoformat(),
         "blocks": 2,
+        "last_error": None,
     }
 
 

@@ -5,6 +5,11 @@ When an event fails, the later events of its run wait for the next pass; after
 ``sink.max_retries`` failures the event is dead-lettered and its run stays blocked until an
 operator replays (``plugin.replayDLQ``) or skips the dead letter: events of one run are never
 published out of order (EC-27 fixed).
+
+The sink receives the stored payload plus ``sequence`` (1, 2, ... per run) and ``event_id`` (the
+outbox row id), so a plugin can deduplicate a redelivery; the stored payload is not changed.
+Every failed delivery records the error on the row (``last_error``, at most
+``MAX_ERROR_CHARS`` characters, NUL characters made visible).
 """
 
 from __future__ import annotations
@@ -16,11 +21,26 @@ from django.db.models import F
 
 from ...models import OutboxEvent
 from ..commands import FlushOutbox, FlushOutboxResult
+from ..jsonvalue import storable_text
 
 if TYPE_CHECKING:
     from ..dispatch import Kernel
 
 logger = logging.getLogger("django_workflows.outbox")
+
+#: Longest ``OutboxEvent.last_error`` kept (characters); longer errors are cut with a note.
+MAX_ERROR_CHARS = 4000
+
+
+def delivery_error(exc: BaseException) -> str:
+    """``ExceptionType: message`` of a failed delivery, storable in a text column and cut to
+    ``MAX_ERROR_CHARS`` characters.
+    """
+    text = storable_text(f"{type(exc).__name__}: {exc}")
+    if len(text) > MAX_ERROR_CHARS:
+        cut = len(text) - MAX_ERROR_CHARS
+        text = f"{text[:MAX_ERROR_CHARS]}\n… ({cut} more characters)"
+    return text
 
 
 def handle(kernel: Kernel, cmd: FlushOutbox) -> FlushOutboxResult:
@@ -40,12 +60,15 @@ def handle(kernel: Kernel, cmd: FlushOutbox) -> FlushOutboxResult:
         if row.workflow_run_id in failed_runs:
             continue
         try:
-            sink.emit(row.payload)
+            sink.emit({**row.payload, "sequence": row.sequence, "event_id": row.pk})
         except Exception as exc:
             failed_runs.add(row.workflow_run_id)
             logger.warning("Outbox event %s #%s failed: %s", row.event_type, row.sequence, exc)
             retries = row.retry_count + 1
-            updates: dict[str, object] = {"retry_count": F("retry_count") + 1}
+            updates: dict[str, object] = {
+                "retry_count": F("retry_count") + 1,
+                "last_error": delivery_error(exc),
+            }
             if retries >= max_retries:
                 updates["dlq_at"] = kernel.clock.now()
             OutboxEvent.objects.filter(pk=row.pk).update(**updates)

@@ -1,4 +1,7 @@
-"""``plugin.replayDLQ`` (SPEC §4.11, EV-32): re-arm dead-lettered outbox events."""
+"""``plugin.replayDLQ`` (SPEC §4.11, EV-32): re-arm dead-lettered outbox events.
+
+A re-armed row starts over: ``dlq_at`` and ``last_error`` are cleared, ``retry_count`` is 0.
+"""
 
 from __future__ import annotations
 
@@ -17,5 +20,7 @@ def handle(kernel: Kernel, cmd: ReplayDeadLetters) -> ReplayDeadLettersResult:
         .order_by("workflow_run_id", "sequence")
         .values_list("pk", flat=True)[: max(0, cmd.max_events)]
     )
-    replayed = OutboxEvent.objects.filter(pk__in=ids).update(dlq_at=None, retry_count=0)
+    replayed = OutboxEvent.objects.filter(pk__in=ids).update(
+        dlq_at=None, retry_count=0, last_error=None
+    )
     return ReplayDeadLettersResult(replayed)

@@ -5,8 +5,8 @@ Actions:
 * ``flush [--max-events N] [--all]`` - publish unpublished events now, in per-run order
   (``outbox.flush``; the maintenance tick does this too). ``--all`` repeats until a pass
   publishes nothing.
-* ``dead-letters [--json] [--limit N]`` - list dead-lettered events and how many later events of
-  their run each one blocks.
+* ``dead-letters [--json] [--limit N]`` - list dead-lettered events, how many later events of
+  their run each one blocks, and the error of the latest failed delivery (``last_error``).
 * ``replay [--max-events N] [--flush]`` - re-arm dead letters (``plugin.replayDLQ``) so the next
   flush retries them; ``--flush`` flushes right away.
 * ``skip EVENT_ID [--note TEXT]`` - skip one dead letter for good (``outbox.skipDeadLetter``):
@@ -33,7 +33,8 @@ from ._common import format_datetime, require_positive
 
 def dead_letters(limit: int | None = None) -> list[dict[str, Any]]:
     """Dead-lettered events in per-run order, each with ``blocks``: the number of unpublished
-    later events of its run waiting behind it.
+    later events of its run waiting behind it, and ``last_error``: the error of the latest
+    failed delivery (``None`` when none was recorded).
     """
     behind = (
         OutboxEvent.objects.filter(
@@ -62,6 +63,7 @@ def dead_letters(limit: int | None = None) -> list[dict[str, Any]]:
             "retry_count": row.retry_count,
             "dlq_at": format_datetime(row.dlq_at),
             "blocks": row.blocks,
+            "last_error": row.last_error,
         }
         for row in rows
     ]
@@ -117,7 +119,7 @@ class Command(BaseCommand):
             if not repeat or published == 0:
                 break
         self.stdout.write(f"published {total} event{'s' if total != 1 else ''}")
-        self._summary()
+        self._summary(hint=True)
 
     def _list(self, as_json: bool, limit: int | None) -> None:
         require_positive(limit, "--limit")
@@ -134,7 +136,10 @@ class Command(BaseCommand):
                 f"{row['event_type']} retries={row['retry_count']} dead since {row['dlq_at']} "
                 f"blocks {row['blocks']}"
             )
-        self._summary()
+            if row["last_error"]:
+                error = row["last_error"].replace("\n", "\n      ")
+                self.stdout.write(f"    last error: {error}")
+        self._summary(hint=False)
 
     def _replay(self, max_events: int | None, flush: bool) -> None:
         require_positive(max_events, "--max-events")
@@ -163,14 +168,18 @@ class Command(BaseCommand):
             )
         )
 
-    def _summary(self) -> None:
+    def _summary(self, hint: bool) -> None:
+        """How many dead letters block how many runs, and how many events wait; ``hint`` adds
+        a pointer to ``dead-letters`` (not printed by that very action).
+        """
         dead = OutboxEvent.objects.filter(dlq_at__isnull=False, published_at__isnull=True)
         count = dead.count()
         if count:
             runs = dead.values("workflow_run_id").distinct().count()
+            see = " (see `workflows_outbox dead-letters`)" if hint else ""
             self.stdout.write(
                 f"{count} dead letter{'s block' if count != 1 else ' blocks'} {runs} "
-                f"run{'s' if runs != 1 else ''} (see `workflows_outbox dead-letters`)"
+                f"run{'s' if runs != 1 else ''}{see}"
             )
-        waiting = OutboxEvent.objects.filter(published_at__isnull=True, dlq_at__isnull=True)
-        self.stdout.write(f"{waiting.count()} events waiting")
+        waiting = OutboxEvent.objects.filter(published_at__isnull=True, dlq_at__isnull=True).count()
+        self.stdout.write(f"{waiting} event{'s' if waiting != 1 else ''} waiting")
