@@ -33,7 +33,7 @@ from . import events as ev
 from .commands import TransitionRun
 from .locking import LOCKED, try_lock_run
 from .outbox import append_events, new_causation_id
-from .store import update_stage, write_log
+from .store import duration_ms, update_stage, write_log
 
 if TYPE_CHECKING:
     from .dispatch import Kernel
@@ -80,9 +80,7 @@ def _give_up(kernel: Kernel, job: WorkflowJob, message: str) -> bool:
     elif record.status == Status.FAILED:
         queue.settle(job, Status.FAILED, error=message)
     else:
-        duration = (
-            int((now - record.started_at).total_seconds() * 1000) if record.started_at else None
-        )
+        duration = duration_ms(record.started_at, now)
         update_stage(
             record.pk,
             now,

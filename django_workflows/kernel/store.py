@@ -13,7 +13,7 @@ from typing import Any
 from django.db.models import F
 
 from ..annotations import AnnotationInput
-from ..blobs import output_key
+from ..blobs import BlobNotFoundError, output_key
 from ..definition.workflow import StageNode, Workflow
 from ..models import (
     Status,
@@ -26,6 +26,11 @@ from ..ports import BlobStore
 from . import events as ev
 
 logger = logging.getLogger("django_workflows")
+
+
+def duration_ms(start: datetime | None, end: datetime) -> int | None:
+    """Milliseconds from ``start`` to ``end`` (64-bit, Part I item 13); ``None`` without a start."""
+    return int((end - start).total_seconds() * 1000) if start else None
 
 
 def update_run(run_id: uuid.UUID, now: datetime, **fields: Any) -> int:
@@ -107,8 +112,6 @@ def load_outputs(blobs: BlobStore, records: Iterable[WorkflowStage]) -> dict[str
     found = blobs.get_many(keys.values())
     for stage_id, key in keys.items():
         if key not in found:
-            from ..blobs import BlobNotFoundError
-
             raise BlobNotFoundError(key)
         out[stage_id] = found[key]
     return out

@@ -19,7 +19,7 @@ from .. import events as ev
 from ..commands import CancelRun, CancelRunResult
 from ..jsonvalue import storable_text
 from ..locking import lock_run, parse_run_id
-from ..store import update_run
+from ..store import duration_ms, update_run
 from .base import HandlerOutput
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ def handle(kernel: Kernel, cmd: CancelRun) -> HandlerOutput:
     if run is None or run.status in TERMINAL_RUN_STATUSES:
         return HandlerOutput(CancelRunResult(False))
     now = kernel.clock.now()
-    duration = int((now - run.started_at).total_seconds() * 1000) if run.started_at else None
+    duration = duration_ms(run.started_at, now)
     reason = storable_text(cmd.reason) if cmd.reason else None
     update_run(
         run_id,

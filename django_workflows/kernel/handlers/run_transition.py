@@ -19,17 +19,20 @@ from ...models import ACTIVE_STAGE_STATUSES, Status
 from .. import events as ev
 from ..commands import TransitionRun, TransitionRunResult
 from ..locking import lock_run, parse_run_id
-from ..store import create_missing_stages, group_output, load_outputs, stages_of, update_run
+from ..store import (
+    create_missing_stages,
+    duration_ms,
+    group_output,
+    load_outputs,
+    stages_of,
+    update_run,
+)
 from .base import HandlerOutput, enqueue_stage_jobs
 
 if TYPE_CHECKING:
     from ..dispatch import Kernel
 
 NOOP = TransitionRunResult("noop")
-
-
-def _duration_ms(start, end) -> int | None:  # type: ignore[no-untyped-def]
-    return int((end - start).total_seconds() * 1000) if start else None
 
 
 def handle(kernel: Kernel, cmd: TransitionRun) -> HandlerOutput:
@@ -71,7 +74,7 @@ def handle(kernel: Kernel, cmd: TransitionRun) -> HandlerOutput:
             now,
             status=Status.FAILED,
             completed_at=now,
-            duration_ms=_duration_ms(run.started_at, now),
+            duration_ms=duration_ms(run.started_at, now),
         )
         return HandlerOutput(
             TransitionRunResult("failed"), [ev.event(ev.WORKFLOW_FAILED, run_id, now, error=error)]
@@ -90,7 +93,7 @@ def handle(kernel: Kernel, cmd: TransitionRun) -> HandlerOutput:
     total_tokens = sum(int((r.metrics or {}).get("total_tokens") or 0) for r in records)
     last_group = [r for r in records if r.execution_group == max_group]
     _, output = group_output(workflow, max_group, load_outputs(kernel.blobs, last_group))
-    duration = _duration_ms(run.started_at, now)
+    duration = duration_ms(run.started_at, now)
     update_run(
         run_id,
         now,

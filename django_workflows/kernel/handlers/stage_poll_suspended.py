@@ -39,7 +39,7 @@ from ..jsonvalue import storable_text
 from ..locking import require_running
 from ..outbox import append_events, new_causation_id
 from ..services import KernelStageServices
-from ..store import update_run, write_annotations
+from ..store import duration_ms, update_run, write_annotations
 
 if TYPE_CHECKING:
     from ..dispatch import Kernel
@@ -47,10 +47,6 @@ if TYPE_CHECKING:
 
 class _Stale(Exception):
     """The stage was handled by someone else since we read it."""
-
-
-def _ms(start: datetime | None, end: datetime) -> int | None:
-    return int((end - start).total_seconds() * 1000) if start else None
 
 
 def handle(kernel: Kernel, cmd: PollSuspendedStages) -> PollSuspendedStagesResult:
@@ -211,11 +207,15 @@ def _fail_both(
         completed_at=now,
         error_message=error,
         next_poll_at=None,
-        duration_ms=_ms(record.started_at, now),
+        duration_ms=duration_ms(record.started_at, now),
     )
     run = record.run
     update_run(
-        run.pk, now, status=Status.FAILED, completed_at=now, duration_ms=_ms(run.started_at, now)
+        run.pk,
+        now,
+        status=Status.FAILED,
+        completed_at=now,
+        duration_ms=duration_ms(run.started_at, now),
     )
     WorkflowJob.objects.filter(
         workflow_run_id=run.pk, stage_id=record.stage_id, status=Status.SUSPENDED
@@ -249,7 +249,7 @@ def _resume(
         completed_at=now,
         next_poll_at=None,
         progress=100.0,
-        duration_ms=_ms(record.started_at, now),
+        duration_ms=duration_ms(record.started_at, now),
     )
     if check.output is not UNSET:
         try:
