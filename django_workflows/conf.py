@@ -62,6 +62,9 @@ DEFAULTS: dict[str, Any] = {
     "AUTODISCOVER_MODULE": "workflows",
     # The transport used to wake workers: "django_q" or "inline" (tests: nothing is sent).
     "TRANSPORT": "django_workflows.transport.django_q.DjangoQTransport",
+    # Dotted path of a zero-argument callable returning the kernel's Clock (None: the system
+    # clock). Leases never depend on it: they are stamped and judged with the database's clock.
+    "CLOCK": None,
 }
 
 

@@ -14,14 +14,16 @@ _kernel: Kernel | None = None
 
 
 def build_kernel() -> Kernel:
-    """A kernel with the real clock, the database blob store, the configured transport and the
-    plugins listed in ``DJANGO_WORKFLOWS["PLUGINS"]``.
+    """A kernel with the configured clock (``CLOCK``, default the system clock), the database
+    blob store, the configured transport and the plugins listed in ``DJANGO_WORKFLOWS["PLUGINS"]``.
     """
     from ..plugins import PluginRunner, load_plugins
 
     transport_cls = import_string(workflow_settings.TRANSPORT)
     stale = workflow_settings.IDEMPOTENCY_STALE_SECONDS
+    clock_path = workflow_settings.CLOCK
     return Kernel(
+        clock=import_string(clock_path)() if clock_path else None,
         transport=transport_cls(),
         event_sink=PluginRunner(
             load_plugins(), max_retries=int(workflow_settings.OUTBOX_MAX_RETRIES)
