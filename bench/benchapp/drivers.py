@@ -66,10 +66,17 @@ def _terminal_count(run_ids: list[str]) -> int:
 
 
 def create_and_wait(
-    n: int, *, workflow: str = "bench-4", one_transaction: bool = False, timeout: float = 600
+    n: int,
+    *,
+    workflow: str = "bench-4",
+    one_transaction: bool = False,
+    timeout: float = 600,
+    delivery_timeout: float = 0,
 ) -> None:
     """Create ``n`` runs as fast as possible (or all in one transaction: a burst that becomes
-    visible at once), then wait until all are terminal. Prints wall times and the run rows.
+    visible at once), then wait until all are terminal. Prints wall times and the run rows;
+    with ``delivery_timeout`` > 0 it then waits up to that long for the runs' outbox events to
+    be published and adds the outbox rows and the plugin's delivery records.
     """
     from django_workflows import start_run
 
@@ -82,17 +89,40 @@ def create_and_wait(
     t_created = time.time()
     finished = _wait(lambda: _terminal_count(ids) >= n, timeout, interval=0.05)
     t_seen = time.time()
-    print(
-        json.dumps(
-            {
-                "t_start": t_start,
-                "t_created": t_created,
-                "t_seen_done": t_seen,
-                "timed_out": not finished,
-                "runs": _run_rows(ids),
-            }
-        )
+    out: dict[str, Any] = {
+        "t_start": t_start,
+        "t_created": t_created,
+        "t_seen_done": t_seen,
+        "timed_out": not finished,
+        "runs": _run_rows(ids),
+    }
+    if delivery_timeout > 0:
+        out.update(_wait_for_deliveries(ids, delivery_timeout))
+    print(json.dumps(out))
+
+
+def _wait_for_deliveries(run_ids: list[str], timeout: float) -> dict[str, Any]:
+    """Wait up to ``timeout`` s until no outbox event of the runs is unpublished; returns the
+    outbox rows and the delivery plugin's records."""
+    from django_workflows.models import OutboxEvent
+
+    from .workflows import bench_dir
+
+    _wait(
+        lambda: (
+            not OutboxEvent.objects.filter(
+                workflow_run_id__in=run_ids, published_at__isnull=True
+            ).exists()
+        ),
+        timeout,
+        interval=0.1,
     )
+    directory = bench_dir()
+    assert directory is not None, "BENCH_DIR is not set"
+    return {
+        "outbox": _outbox_rows(run_ids),
+        "deliveries": _read_jsonl(directory / "deliveries.jsonl"),
+    }
 
 
 def _outbox_rows(run_ids: list[str]) -> list[dict[str, Any]]:
@@ -139,7 +169,6 @@ def idle_latency(
     stage's check records (``BENCH_DIR`` files written by the bench app).
     """
     from django_workflows import start_run
-    from django_workflows.models import OutboxEvent
 
     from .workflows import bench_dir
 
@@ -153,15 +182,7 @@ def idle_latency(
         _wait(lambda rid=rid: _terminal_count([rid]) == 1, timeout)
     every = ids + suspend_ids
     t_done = time.time()
-    _wait(
-        lambda: (
-            not OutboxEvent.objects.filter(
-                workflow_run_id__in=every, published_at__isnull=True
-            ).exists()
-        ),
-        delivery_timeout,
-        interval=0.1,
-    )
+    delivered = _wait_for_deliveries(every, delivery_timeout)
     directory = bench_dir()
     assert directory is not None, "BENCH_DIR is not set"
     print(
@@ -171,8 +192,7 @@ def idle_latency(
                 "runs": _run_rows(ids),
                 "suspend_runs": _run_rows(suspend_ids),
                 "suspend_stage_completed": _stage_completed(suspend_ids),
-                "outbox": _outbox_rows(every),
-                "deliveries": _read_jsonl(directory / "deliveries.jsonl"),
+                **delivered,
                 "checks": _read_jsonl(directory / "suspend-checks.jsonl"),
             }
         )

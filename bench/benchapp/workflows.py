@@ -83,7 +83,11 @@ def append_record(name: str, record: dict[str, Any]) -> None:
 
 
 def _submit(ctx: StageContext[Seed, Any]) -> Suspend:
-    return Suspend(state={"n": ctx.input.n}, poll_interval_seconds=1, max_wait_seconds=300)
+    return Suspend(
+        state={"batch_id": f"bench-{ctx.workflow_run_id}", "n": ctx.input.n},
+        poll_interval_seconds=1,
+        max_wait_seconds=300,
+    )
 
 
 def _check(state: dict[str, Any], ctx: Any) -> CompletionCheck:
