@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -441,8 +442,10 @@ def work(
     """
     out = WorkResult()
     current: Delivery | None = None
-    while out.processed < max_jobs and not (stop and stop.is_set()):
-        if current is None:
+    while True:
+        if current is None:  # a delivery leased by the last outcome is in flight: finish it
+            if out.processed >= max_jobs or (stop is not None and stop.is_set()):
+                break
             current = lease(kernel, worker_id)
             if current is None:
                 break
@@ -461,9 +464,12 @@ def work(
 
 
 class Heartbeat:
-    """Refreshes a job's lease every ``interval_seconds`` in a background thread (H-2), fenced
-    by ``attempt`` when given. ``lost`` is set once the lease was found taken over; a run that
-    left RUNNING is noted for ``ctx.is_cancelled()`` (Part I item 15).
+    """Refreshes a job's lease every ``interval_seconds`` while the ``with`` block runs (H-2),
+    fenced by ``attempt`` when given. ``lost`` is set once the lease was found taken over; a run
+    that left RUNNING is noted for ``ctx.is_cancelled()`` (Part I item 15).
+
+    The beats are sent by one long-lived thread per process (:class:`_Beater`), with its own
+    database connection, so a delivery costs no thread start and no new connection.
     """
 
     def __init__(
@@ -481,8 +487,7 @@ class Heartbeat:
         self.attempt = attempt
         self.interval = interval_seconds
         self.lost = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{job_id}", daemon=True)
+        self.next_beat = 0.0
 
     def beat(self) -> None:
         """Refresh the lease and note a run that left RUNNING (Part I item 15)."""
@@ -495,22 +500,62 @@ class Heartbeat:
         ):
             note_run_not_running(self.run_id)
 
-    def _loop(self) -> None:
-        try:
-            while not self._stop.wait(self.interval):
-                try:
-                    self.beat()
-                except Exception:  # heartbeat errors are ignored (H-2)
-                    logger.exception("Heartbeat for job %s failed", self.job_id)
-        finally:
-            connection.close()
-
     def __enter__(self) -> Heartbeat:
-        self._thread.start()
+        _beater.add(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        _beater.remove(self)
         if self.run_id is not None:
             forget_run(self.run_id)
+
+
+class _Beater:
+    """The process's heartbeat thread: beats every registered :class:`Heartbeat` when due.
+    Beat errors are logged and ignored (H-2); the thread's connection is closed after one.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._beats: dict[int, Heartbeat] = {}
+        self._thread: threading.Thread | None = None
+
+    def add(self, beat: Heartbeat) -> None:
+        with self._cond:
+            beat.next_beat = time.monotonic() + beat.interval
+            self._beats[id(beat)] = beat
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="heartbeats", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def remove(self, beat: Heartbeat) -> None:
+        with self._cond:
+            self._beats.pop(id(beat), None)
+            if not self._beats:
+                self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if not self._beats:
+                    connection.close()  # idle: hold no connection (a test database may go)
+                now = time.monotonic()
+                due = [b for b in self._beats.values() if b.next_beat <= now]
+                if not due:
+                    wake = min((b.next_beat for b in self._beats.values()), default=now + 60)
+                    self._cond.wait(max(0.0, wake - now))
+                    continue
+                for b in due:
+                    b.next_beat = now + b.interval
+            for b in due:
+                if id(b) not in self._beats:
+                    continue  # its delivery ended meanwhile
+                try:
+                    b.beat()
+                except Exception:
+                    logger.exception("Heartbeat for job %s failed", b.job_id)
+                    connection.close()
+
+
+_beater = _Beater()
