@@ -72,11 +72,50 @@ def test_crash_at_commit_boundary_every_run_completes(
     clusters: Callable[..., Cluster],
     tmp_path: Path,
 ) -> None:
+    """The kernel's fault point ``point`` ends one worker; every run still completes once."""
+    once = tmp_path / "crash.once"
+    _crash_and_check(
+        point,
+        {"WORKFLOWS_CRASH_AT": point, "WORKFLOWS_CRASH_ONCE_FILE": str(once)},
+        once,
+        project,
+        clusters,
+        tmp_path,
+    )
+
+
+def test_worker_exit_inside_stage_body_every_run_completes(
+    project: Callable[..., dict[str, str]],
+    clusters: Callable[..., Cluster],
+    tmp_path: Path,
+) -> None:
+    """The same checks with the worker ending itself inside the body of stage ``b`` (no kernel
+    fault point needed): django-q2 replaces the worker, the lease expires, ``b`` runs again.
+    This one holds on the current kernel too and checks the harness.
+    """
+    once = tmp_path / "crash.once"
+    _crash_and_check(
+        "stage.executing",
+        {"CRASH_EXIT_IN_STAGE": "b", "CRASH_EXIT_ONCE_FILE": str(once)},
+        once,
+        project,
+        clusters,
+        tmp_path,
+    )
+
+
+def _crash_and_check(
+    point: str,
+    crash_vars: dict[str, str],
+    once: Path,
+    project: Callable[..., dict[str, str]],
+    clusters: Callable[..., Cluster],
+    tmp_path: Path,
+) -> None:
     crash_dir = tmp_path / "crash"
     crash_dir.mkdir()
-    once = tmp_path / "crash.once"
     env = project(**FAULT_ENV, CRASH_DIR=str(crash_dir))
-    cluster = clusters(dict(env, WORKFLOWS_CRASH_AT=point, WORKFLOWS_CRASH_ONCE_FILE=str(once)))
+    cluster = clusters(dict(env, **crash_vars))
     ticker = clusters(env, *tick_command(), log="ticker.log")
 
     run_ids = create_runs(env, "fault-pipeline", [{"n": i} for i in range(RUNS)])

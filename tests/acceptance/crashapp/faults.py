@@ -14,7 +14,10 @@ interleave), so a test can count how often each stage really ran.
   ``{run}.gate.blocked`` and waits for ``{run}.gate.go``: it holds the run RUNNING until the
   late delivery of ``slow`` has been dealt with.
 * ``fault-pipeline``: a -> [b | c] -> d; every stage sleeps ``CRASH_STAGE_SECONDS`` (default 0)
-  and passes on what it read, so ``d``'s output shows the whole path.
+  and passes on what it read, so ``d``'s output shows the whole path. With
+  ``CRASH_EXIT_IN_STAGE=<stage id>`` the first execution of that stage (the first process to
+  create ``CRASH_EXIT_ONCE_FILE``) ends its worker process with ``os._exit(70)`` inside the
+  body.
 """
 
 from __future__ import annotations
@@ -139,9 +142,20 @@ class Joined(BaseModel):
     c: Trail
 
 
+def exit_once(once_file: str) -> None:
+    """``os._exit(70)`` if this process is the first to create ``once_file``."""
+    try:
+        os.close(os.open(once_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return
+    os._exit(70)
+
+
 def _work(ctx: StageContext[Any, Any], stage_id: str) -> None:
     record_execution(ctx.workflow_run_id, stage_id)
     time.sleep(float(os.environ.get("CRASH_STAGE_SECONDS", "0")))
+    if os.environ.get("CRASH_EXIT_IN_STAGE") == stage_id:
+        exit_once(os.environ["CRASH_EXIT_ONCE_FILE"])
 
 
 @stage(id="a", input=FaultInput, output=Trail)
