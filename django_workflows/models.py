@@ -70,6 +70,9 @@ class WorkflowRun(models.Model):
     total_tokens = models.BigIntegerField(default=0)
     priority = models.IntegerField(default=5)
     metadata = _json(null=True, blank=True)
+    #: The sequence of the run's latest outbox event (EV-3): appenders bump it under the run's
+    #: row lock, so sequences are gap-free without a ``MAX()`` per append.
+    event_sequence = models.PositiveBigIntegerField(default=0)
 
     class Meta:
         db_table = "workflow_runs"
@@ -142,9 +145,13 @@ class WorkflowStage(models.Model):
 class WorkflowJob(models.Model):
     """One queued unit of work: execute one stage of one run (SPEC §1.7).
 
-    ``attempt`` counts deliveries (SM-31). ``worker_id``/``locked_at`` form the lease that
-    heartbeats refresh. ``next_poll_at`` is the not-before time (retry back-off). There is
-    deliberately no foreign key to the run (DM-11).
+    ``attempt`` counts deliveries (SM-31) and is the delivery's fencing token: a delivery's
+    outcome commits only while the job is RUNNING with the attempt it was leased with.
+    ``worker_id``/``locked_at`` form the lease that heartbeats refresh; ``locked_at`` and
+    ``next_poll_at`` (the not-before time of a retry back-off) are written with the database's
+    clock. ``run_created_at`` copies the run's creation time so ready jobs are served oldest
+    run first (a started run finishes before newer runs start). There is deliberately no
+    foreign key to the run (DM-11).
     """
 
     id = models.BigAutoField(primary_key=True)
@@ -164,12 +171,16 @@ class WorkflowJob(models.Model):
     next_poll_at = models.DateTimeField(null=True, blank=True)
     payload = _json(default=dict, blank=True)
     last_error = models.TextField(null=True, blank=True)
+    run_created_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "workflow_jobs"
         ordering = ["-priority", "created_at", "id"]
         indexes = [
             models.Index(fields=["status", "priority"], name="wf_job_status_prio_idx"),
+            models.Index(
+                fields=["status", "-priority", "run_created_at", "id"], name="wf_job_claim_idx"
+            ),
             models.Index(fields=["next_poll_at"], name="wf_job_next_poll_idx"),
             models.Index(fields=["workflow_run_id"], name="wf_job_run_idx"),
         ]

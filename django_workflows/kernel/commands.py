@@ -29,7 +29,13 @@ class Result:
         """Whether a cached result can answer ``command`` (a replay of another command's key
         that names a different target is refused, see ``IdempotencyKeyReusedError``).
         """
-        return True
+        return self.mismatch(command) is None
+
+    def mismatch(self, command: Any) -> str | None:
+        """``None`` if this cached result answers ``command``, else what differs (a phrase
+        such as ``"another input"``).
+        """
+        return None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)  # type: ignore[call-overload,no-any-return]
@@ -98,10 +104,48 @@ class CreateRun:
             )
 
 
+def fingerprint(value: Any) -> str:
+    """A stable SHA-256 of a JSON value (object keys sorted; Django's JSON encoder)."""
+    import hashlib
+    import json
+
+    from django.core.serializers.json import DjangoJSONEncoder
+
+    text = json.dumps(value, sort_keys=True, cls=DjangoJSONEncoder, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 @dataclass
 class CreateRunResult(Result):
+    """``request``: what the run was created from - ``workflow_id`` and fingerprints of the
+    given ``input`` and ``config`` - so a replay of the key with another request is refused.
+    """
+
     workflow_run_id: str
     status: str
+    request: dict[str, str] | None = None
+
+    @staticmethod
+    def request_of(command: CreateRun) -> dict[str, str]:
+        return {
+            "workflow_id": command.workflow_id,
+            "input": fingerprint(command.input),
+            "config": fingerprint(command.config or {}),
+        }
+
+    def mismatch(self, command: Any) -> str | None:
+        if not self.request or not isinstance(command, CreateRun):
+            return None  # a key stored before requests were recorded
+        given = self.request_of(command)
+        if given["workflow_id"] != self.request.get("workflow_id"):
+            return (
+                f"workflow {self.request.get('workflow_id')!r} (this request names "
+                f"{command.workflow_id!r})"
+            )
+        for part in ("input", "config"):
+            if given[part] != self.request.get(part):
+                return f"another {part}"
+        return None
 
 
 # --- run.claimPending (K-CP) ------------------------------------------------------------------
@@ -185,11 +229,12 @@ class RerunFromResult(Result):
     from_stage_id: str
     deleted_stages: list[str]
 
-    def matches(self, command: Any) -> bool:
-        return (
-            str(self.workflow_run_id) == str(command.workflow_run_id)
-            and self.from_stage_id == command.from_stage_id
-        )
+    def mismatch(self, command: Any) -> str | None:
+        if str(self.workflow_run_id) != str(command.workflow_run_id):
+            return f"run {self.workflow_run_id}"
+        if self.from_stage_id != command.from_stage_id:
+            return f"stage {self.from_stage_id!r}"
+        return None
 
 
 # --- job.execute (K-JE) -----------------------------------------------------------------------

@@ -14,8 +14,11 @@ Routing (K-4):
 
 Commands with an ``idempotency_key`` (``run.create``, ``run.rerunFrom``, ``job.execute``) go
 through the idempotency procedure of K-10: a replay returns the cached result and writes
-nothing; a key in progress raises :class:`IdempotencyInProgressError`; a raised error releases
-the key.
+nothing, and a replay whose request differs (another workflow, input or config; another run or
+stage) raises :class:`IdempotencyKeyReusedError` naming the key. For transactional commands
+the key is looked up and recorded in the command's own transaction, so it commits (or rolls
+back) with the state change it guards; for the others a key in progress raises
+:class:`IdempotencyInProgressError` and a raised error releases the key.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 
 from ..definition.registry import WorkflowRegistry
 from ..definition.registry import registry as default_registry
@@ -89,6 +92,8 @@ class Kernel:
         self.executor = executor or LocalExecutor()
         self.idempotency_stale_seconds = idempotency_stale_seconds
         self.queue = JobQueue(self.clock, self.transport, on_exhausted=self._give_up_job)
+        #: Lease time: the database's clock unless the clock drives leases (tests).
+        self.lease_clock = self.queue.lease_clock
         #: ``attach(run_id, attributes, ...)`` and ``list(run_id, **filters)`` (K-2, SPEC §6.3).
         self.annotations = AnnotationsAPI(self)
 
@@ -122,6 +127,8 @@ class Kernel:
                 f"characters, got {len(key) if isinstance(key, str) else type(key).__name__}",
                 field="idempotency_key",
             )
+        if transactional:
+            return self._run_once(handler, command, key, result_cls)
         acquired = idempotency.acquire(
             key,
             command.type,
@@ -129,11 +136,7 @@ class Kernel:
             stale_after_seconds=self.idempotency_stale_seconds,
         )
         if acquired.outcome == "replay":
-            replayed = result_cls.from_json(acquired.result)
-            if not replayed.matches(command):
-                raise IdempotencyKeyReusedError(key, command.type, _describe(replayed))
-            replayed.replayed = True
-            return replayed
+            return self._replay(command, key, result_cls, acquired.result)
         if acquired.outcome == "in_progress":
             raise IdempotencyInProgressError(key, command.type)
         try:
@@ -146,6 +149,46 @@ class Kernel:
                 pass
             raise
         return result
+
+    def _run_once(
+        self, handler: Callable[..., Any], command: Any, key: str, result_cls: type[c.Result]
+    ) -> Any:
+        """A transactional command with an idempotency key: the key is looked up, and recorded
+        with the result, in the command's own transaction (K-10). A crash can therefore never
+        leave a committed run behind a key still "in progress", and two concurrent requests
+        with one key commit once: the loser's transaction is rolled back and it replays the
+        winner's result.
+        """
+        for _ in range(2):
+            try:
+                with transaction.atomic():
+                    cached = idempotency.lookup(
+                        key,
+                        command.type,
+                        now=self.clock.now(),
+                        stale_after_seconds=self.idempotency_stale_seconds,
+                    )
+                    if cached.outcome == "replay":
+                        return self._replay(command, key, result_cls, cached.result)
+                    if cached.outcome == "in_progress":
+                        raise IdempotencyInProgressError(key, command.type)
+                    out: HandlerOutput = handler(self, command)
+                    append_events(out.events, key, self.clock.now())
+                    idempotency.record(key, command.type, out.result.to_json(), self.clock.now())
+                return out.result
+            except IntegrityError:
+                continue  # another request with this key committed first: replay it
+        raise IdempotencyInProgressError(key, command.type)
+
+    def _replay(
+        self, command: Any, key: str, result_cls: type[c.Result], data: dict[str, Any]
+    ) -> Any:
+        replayed = result_cls.from_json(data)
+        difference = replayed.mismatch(command)
+        if difference is not None:
+            raise IdempotencyKeyReusedError(key, command.type, _describe(replayed), difference)
+        replayed.replayed = True
+        return replayed
 
     def _run(
         self, handler: Callable[..., Any], transactional: bool, command: Any, key: str | None

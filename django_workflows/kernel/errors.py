@@ -105,11 +105,15 @@ class IdempotencyKeyReusedError(WorkflowError):
     example a rerun of another run); nothing was done.
     """
 
-    def __init__(self, key: str, command_type: str, earlier: str) -> None:
+    def __init__(
+        self, key: str, command_type: str, earlier: str, difference: str | None = None
+    ) -> None:
+        detail = f" with {difference}" if difference else ""
         super().__init__(
-            f"idempotency_key {key!r} was already used for {command_type} of {earlier}; "
-            "nothing was done (use a new key)"
+            f"idempotency_key {key!r} was already used for {command_type} of {earlier}"
+            f"{detail}; nothing was done (use a new key)"
         )
+        self.difference = difference
         self.key = key
         self.command_type = command_type
         self.field = "idempotency_key"

@@ -1,9 +1,9 @@
 """Host logic shared by every way of running the engine (SPEC §7.2-7.3, §7.6).
 
-* :func:`execute_job` - run one leased job with heartbeats and apply its outcome to the queue,
-  then transition the run (H-1..H-8).
-* :func:`process_available_jobs` - lease and execute ready jobs until none is left or a limit
-  is reached (H-42).
+* :func:`execute_job` - run one leased job with heartbeats, apply its outcome and transition
+  the run in one transaction (H-1..H-8).
+* :func:`process_available_jobs` - lease and deliver ready jobs until none is left or a limit
+  is reached (H-42); the path itself is :mod:`django_workflows.kernel.delivery`.
 * :func:`run_maintenance_tick` - claim pending runs, poll suspended stages, reap stale leases,
   flush the outbox, reap stuck runs; each step in its own error boundary (H-10, H-11).
 
@@ -21,22 +21,24 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
-from django.db import IntegrityError, close_old_connections, connection, transaction
+from django.db import close_old_connections, connection, transaction
 from django.db.models import Q
 
 from ..conf import workflow_settings
-from ..models import MaintenanceLease, Status, WorkflowJob, WorkflowRun
+from ..models import Status, WorkflowJob
+from . import delivery, leases
 from .commands import (
     ClaimPendingRuns,
-    ExecuteJob,
-    FlushOutbox,
     PollSuspendedStages,
     ReapStaleLeases,
     ReapStuckRuns,
     TransitionRun,
 )
+from .delivery import Heartbeat as Heartbeat
 from .dispatch import Kernel
-from .services import forget_run, note_run_not_running
+from .flusher import flush_outbox
+from .locking import lock_run
+from .outbox import append_events, new_causation_id
 
 logger = logging.getLogger("django_workflows.worker")
 
@@ -46,98 +48,38 @@ def default_worker_id() -> str:
     return f"worker-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-class Heartbeat:
-    """Refreshes a job's lease every ``interval_seconds`` in a background thread (H-2)."""
-
-    def __init__(
-        self, kernel: Kernel, job_id: int, interval_seconds: float, run_id: object = None
-    ) -> None:
-        self.kernel = kernel
-        self.job_id = job_id
-        self.run_id = run_id
-        self.interval = interval_seconds
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{job_id}", daemon=True)
-
-    def beat(self) -> None:
-        """Refresh the lease and note a run that left RUNNING (Part I item 15)."""
-        self.kernel.queue.touch(self.job_id)
-        if (
-            self.run_id is not None
-            and not WorkflowRun.objects.filter(pk=self.run_id, status=Status.RUNNING).exists()
-        ):
-            note_run_not_running(self.run_id)
-
-    def _loop(self) -> None:
-        try:
-            while not self._stop.wait(self.interval):
-                try:
-                    self.beat()
-                except Exception:  # heartbeat errors are ignored (H-2)
-                    logger.exception("Heartbeat for job %s failed", self.job_id)
-        finally:
-            connection.close()
-
-    def __enter__(self) -> Heartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        if self.run_id is not None:
-            forget_run(self.run_id)
-
-
 @dataclass
 class JobOutcome:
+    """How one delivery ended (see :class:`.delivery.Outcome`)."""
+
     outcome: str
     error: str | None = None
 
 
 def execute_job(kernel: Kernel, job: WorkflowJob) -> JobOutcome:
-    """Execute a leased (RUNNING) job and apply the outcome (H-3..H-8).
+    """Execute a job leased by :meth:`JobQueue.dequeue` and apply its outcome (H-3..H-8), the
+    outcome's job settlement and the run's transition in one transaction
+    (:mod:`.delivery`). The next stage is not continued here: its jobs are queued.
 
-    completed -> job COMPLETED, ``run.transition``; suspended -> job SUSPENDED; failed -> retry
-    with back-off while ``retryable`` and deliveries remain, else job FAILED and
-    ``run.transition`` (so the run fails with the real stage error, H-7). Ghost results never
-    retry and never transition. If ``job.execute`` raises, the job stays RUNNING and is
-    recovered by lease expiry (H-4); the error propagates.
+    Raises:
+        WorkflowNotFoundError, StageNotFoundError: the job cannot be executed here; it stays
+            RUNNING and is recovered by lease expiry (H-4).
     """
-    interval = float(workflow_settings.HEARTBEAT_INTERVAL_SECONDS)
-    with Heartbeat(kernel, job.pk, interval, job.workflow_run_id):
-        result = kernel.dispatch(
-            ExecuteJob(
-                workflow_run_id=job.workflow_run_id,
-                workflow_id=job.workflow_id,
-                stage_id=job.stage_id,
-                config=(job.payload or {}).get("config") or {},
-                idempotency_key=f"job:{job.pk}:attempt:{job.attempt}",
-                job_id=job.pk,
-            )
-        )
-    if result.outcome == "completed":
-        kernel.queue.complete(job.pk)
-        kernel.dispatch(TransitionRun(job.workflow_run_id))
-    elif result.outcome == "suspended":
-        kernel.queue.suspend(job.pk, result.next_poll_at)
-        if not WorkflowRun.objects.filter(pk=job.workflow_run_id, status=Status.RUNNING).exists():
-            # A cancel committed between Phase 3 and the suspend above could not see this job
-            # (it was RUNNING, K-CA-3): cancel it now so no SUSPENDED job outlives its run.
-            kernel.queue.cancel_by_run(job.workflow_run_id)
-        kernel.transport.wake_ticker()
-    else:
-        can_retry = (
-            not result.ghost and result.retryable is not False and job.attempt < job.max_attempts
-        )
-        kernel.queue.fail(job.pk, result.error or "Unknown error", should_retry=can_retry)
-        if not can_retry and not result.ghost:
-            try:
-                kernel.dispatch(TransitionRun(job.workflow_run_id))
-            except Exception:
-                logger.exception("Transition after failed job %s failed", job.pk)
-        elif can_retry:
-            kernel.transport.wake_ticker()
+    with transaction.atomic():
+        run = lock_run(job.workflow_run_id)
+        events: list[dict[str, Any]] = []
+        try:
+            started = delivery.begin(kernel, job, run, events)
+        except delivery._Unexecutable as exc:
+            unexecutable = exc.__cause__
+        else:
+            unexecutable = None
+        append_events(events, new_causation_id(), kernel.clock.now())
+    if unexecutable is not None:
+        raise unexecutable
+    if started is None:
+        return JobOutcome("failed", "Job settled without executing (run not RUNNING, or done)")
+    result = delivery.deliver(kernel, started, None)
     return JobOutcome(result.outcome, result.error)
 
 
@@ -151,21 +93,13 @@ class ProcessResult:
 def process_available_jobs(
     kernel: Kernel, worker_id: str, *, max_jobs: int = 1, stop: threading.Event | None = None
 ) -> ProcessResult:
-    """Lease and execute ready jobs until the queue is empty, ``max_jobs`` were processed, or
-    ``stop`` is set (H-42; Part I item 18: a stop request finishes the in-flight job first).
+    """Deliver ready jobs until the queue is empty, ``max_jobs`` were processed, or ``stop`` is
+    set (H-42; Part I item 18: a stop request finishes the in-flight job first). A worker
+    continues the run it just advanced (:func:`.delivery.work`) and claims PENDING runs when
+    no job is ready.
     """
-    out = ProcessResult()
-    while out.processed < max_jobs and not (stop and stop.is_set()):
-        job = kernel.queue.dequeue(worker_id)
-        if job is None:
-            break
-        outcome = execute_job(kernel, job)
-        out.processed += 1
-        if outcome.outcome == "failed":
-            out.failed += 1
-        else:
-            out.succeeded += 1
-    return out
+    done = delivery.work(kernel, worker_id, max_jobs=max_jobs, stop=stop)
+    return ProcessResult(done.processed, done.succeeded, done.failed)
 
 
 @dataclass
@@ -202,35 +136,18 @@ class TickResult:
 
 
 def acquire_lease(kernel: Kernel, name: str, owner: str, ttl_seconds: float) -> bool:
-    """Take (or renew) the named lease for ``ttl_seconds``; ``False`` if another owner holds an
-    unexpired one.
+    """Take (or renew) the named lease for ``ttl_seconds`` in lease time (the database's
+    clock); ``False`` if another owner holds an unexpired one.
     """
-    now = kernel.clock.now()
-    expires = now + timedelta(seconds=ttl_seconds)
-    if (
-        MaintenanceLease.objects.filter(name=name)
-        .filter(Q(expires_at__lte=now) | Q(owner=owner))
-        .update(owner=owner, expires_at=expires)
-    ):
-        return True
-    try:
-        with transaction.atomic():
-            MaintenanceLease.objects.create(name=name, owner=owner, expires_at=expires)
-    except IntegrityError:
-        return False
-    return True
+    return leases.acquire_lease(kernel.lease_clock, name, owner, ttl_seconds)
 
 
 def renew_lease(kernel: Kernel, name: str, owner: str, ttl_seconds: float) -> bool:
-    """Extend a lease that ``owner`` still holds to ``now + ttl_seconds``; ``False`` if it is
-    no longer theirs (it expired and another owner took it, or it was released).
-    """
-    expires = kernel.clock.now() + timedelta(seconds=ttl_seconds)
-    return bool(MaintenanceLease.objects.filter(name=name, owner=owner).update(expires_at=expires))
+    """Extend a lease that ``owner`` still holds; ``False`` if it is no longer theirs."""
+    return leases.renew_lease(kernel.lease_clock, name, owner, ttl_seconds)
 
 
-def release_lease(name: str, owner: str) -> None:
-    MaintenanceLease.objects.filter(name=name, owner=owner).delete()
+release_lease = leases.release_lease
 
 
 def maintenance_lease_seconds() -> float:
@@ -293,9 +210,8 @@ class LeaseKeeper:
 
 
 def lease_is_free(kernel: Kernel, name: str) -> bool:
-    return not MaintenanceLease.objects.filter(
-        name=name, expires_at__gt=kernel.clock.now()
-    ).exists()
+    """Whether nobody holds an unexpired lease ``name``."""
+    return leases.lease_is_free(kernel.lease_clock, name)
 
 
 TICK_LEASE = "maintenance-tick"
@@ -357,10 +273,12 @@ def _tick_steps(kernel: Kernel, worker_id: str, out: TickResult) -> None:
             kernel.transport.wake_workers(res.released)
 
     def flush() -> None:
-        res = kernel.dispatch(
-            FlushOutbox(max_events=int(workflow_settings.MAX_OUTBOX_FLUSH_PER_TICK))
+        out.events_flushed = (
+            flush_outbox(
+                kernel, worker_id, max_events=int(workflow_settings.MAX_OUTBOX_FLUSH_PER_TICK)
+            )
+            or 0
         )
-        out.events_flushed = res.published
 
     def reap_stuck() -> None:
         res = kernel.dispatch(
@@ -371,7 +289,7 @@ def _tick_steps(kernel: Kernel, worker_id: str, out: TickResult) -> None:
     def wake_ready() -> None:
         now = kernel.clock.now()
         waiting = WorkflowJob.objects.filter(
-            Q(next_poll_at__isnull=True) | Q(next_poll_at__lte=now),
+            Q(next_poll_at__isnull=True) | Q(next_poll_at__lte=kernel.lease_clock.now()),
             status=Status.PENDING,
             updated_at__lte=now - timedelta(seconds=WAKE_AFTER_SECONDS),
         )[:8].count()

@@ -69,3 +69,38 @@ def release(key: str, command_type: str) -> None:
     IdempotencyKey.objects.filter(
         key=key, command_type=command_type, state=State.IN_PROGRESS
     ).delete()
+
+
+def lookup(
+    key: str, command_type: str, *, now: datetime, stale_after_seconds: float | None
+) -> Acquired:
+    """Inside the command's transaction: ``replay`` with the cached result of a recorded key,
+    ``acquired`` when there is none (the caller runs the command and :func:`record` s it).
+
+    An ``in_progress`` row can only be left by an engine older than in-transaction keys (or a
+    non-transactional command): when older than ``stale_after_seconds`` it is removed and the
+    key is ``acquired``; otherwise ``in_progress``.
+    """
+    row = IdempotencyKey.objects.filter(key=key, command_type=command_type).first()
+    if row is None:
+        return Acquired("acquired")
+    if row.state == State.COMPLETED:
+        return Acquired("replay", row.result)
+    if stale_after_seconds is not None and row.created_at <= now - timedelta(
+        seconds=stale_after_seconds
+    ):
+        row.delete()
+        return Acquired("acquired")
+    return Acquired("in_progress")
+
+
+def record(key: str, command_type: str, result: Any, now: datetime) -> None:
+    """Record a finished command's key with its result, in the command's transaction.
+
+    Raises:
+        IntegrityError: another transaction recorded the key first (on PostgreSQL this waits
+            for that transaction; the caller rolls back and replays its result).
+    """
+    IdempotencyKey.objects.create(
+        key=key, command_type=command_type, created_at=now, state=State.COMPLETED, result=result
+    )

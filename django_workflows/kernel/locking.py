@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
-from datetime import datetime
 from typing import Any
 
 from django.db import transaction
@@ -65,10 +64,12 @@ def claim_next_pending_run() -> WorkflowRun | None:
     )
 
 
-def claim_next_job(now: datetime, exclude: Iterable[int] = ()) -> WorkflowJob | None:
-    """Lock the ready PENDING job with the highest priority, oldest first (DM-41).
+def claim_next_job(now: Any, exclude: Iterable[int] = ()) -> WorkflowJob | None:
+    """Lock the ready PENDING job with the highest priority, oldest run first (DM-41), so a
+    run that has started finishes before newer runs start.
 
-    ``exclude``: job ids this transaction already looked at (and still holds locks on).
+    ``now``: lease time (a datetime or the database's ``Now()``). ``exclude``: job ids this
+    transaction already looked at (and still holds locks on).
     """
     qs = WorkflowJob.objects.select_for_update(skip_locked=True).filter(
         Q(next_poll_at__isnull=True) | Q(next_poll_at__lte=now), status=Status.PENDING
@@ -76,10 +77,10 @@ def claim_next_job(now: datetime, exclude: Iterable[int] = ()) -> WorkflowJob | 
     exclude = list(exclude)
     if exclude:
         qs = qs.exclude(pk__in=exclude)
-    return qs.order_by("-priority", "created_at", "id").first()
+    return qs.order_by("-priority", "run_created_at", "id").first()
 
 
-def lock_exhausted_stale_jobs(cutoff: datetime) -> list[WorkflowJob]:
+def lock_exhausted_stale_jobs(cutoff: Any) -> list[WorkflowJob]:
     """Lock RUNNING jobs whose lease is older than ``cutoff`` and whose next delivery would
     exceed ``max_attempts`` (Part I item 3); rows locked elsewhere are skipped.
     """

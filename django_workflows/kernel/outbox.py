@@ -10,21 +10,56 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import Max
 
-from ..models import OutboxEvent
+from ..models import OutboxEvent, WorkflowRun
 
 
 def new_causation_id() -> str:
     return str(uuid.uuid4())
 
 
+_BUMP_SQL = (
+    f"UPDATE {WorkflowRun._meta.db_table} "
+    "SET event_sequence = event_sequence + %s, updated_at = %s "
+    "WHERE id = %s RETURNING event_sequence"
+)
+
+
+def _reserve_sequences(run_id: Any, count: int, now: datetime) -> int:
+    """Bump the run's ``event_sequence`` by ``count`` and return the new value (one statement).
+
+    The UPDATE takes the run's row lock (if the caller does not hold it already), so two
+    appenders of one run are serialised and their sequences never overlap or leave gaps. It
+    also stamps ``updated_at`` (an appended event is activity on the run); ``version`` stays,
+    as the counter is bookkeeping, not a change of the run's state.
+    """
+    meta = WorkflowRun._meta
+    params = [
+        count,
+        meta.get_field("updated_at").get_db_prep_value(now, connection),
+        meta.pk.get_db_prep_value(uuid.UUID(str(run_id)), connection),
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(_BUMP_SQL, params)
+        row = cursor.fetchone()
+    if row is None:
+        # The run row is gone (deleted by an operator): continue after the outbox's last row.
+        last = (
+            OutboxEvent.objects.filter(workflow_run_id=run_id)
+            .order_by("-sequence")
+            .values_list("sequence", flat=True)
+            .first()
+        )
+        return (last or 0) + count
+    return int(row[0])
+
+
 def append_events(events: Iterable[dict[str, Any]], causation_id: str, now: datetime) -> int:
     """Append ``events`` (in order) to the outbox; returns the count.
 
-    Sequences continue each run's current maximum (EV-3). On PostgreSQL a transaction-scoped
-    advisory lock per run serialises concurrent appenders; on SQLite the IMMEDIATE transaction
-    already does. Must be called inside ``transaction.atomic()``.
+    Per run, one ``UPDATE ... RETURNING`` reserves the next ``len(events)`` sequence numbers on
+    the run row (EV-3) and one bulk INSERT writes all rows. Must be called inside
+    ``transaction.atomic()``.
     """
     events = list(events)
     if not events:
@@ -32,27 +67,29 @@ def append_events(events: Iterable[dict[str, Any]], causation_id: str, now: date
     assert transaction.get_connection().in_atomic_block, "append_events needs a transaction"
     by_run: dict[str, list[dict[str, Any]]] = {}
     for ev in events:
-        by_run.setdefault(ev["workflow_run_id"], []).append(ev)
+        by_run.setdefault(str(ev["workflow_run_id"]), []).append(ev)
     rows: list[OutboxEvent] = []
     for run_id, run_events in by_run.items():
-        if connection.vendor == "postgresql":
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [run_id])
-        current = (
-            OutboxEvent.objects.filter(workflow_run_id=run_id).aggregate(m=Max("sequence"))["m"]
-            or 0
-        )
-        for offset, ev in enumerate(run_events, start=1):
-            rows.append(
-                OutboxEvent(
-                    created_at=now,
-                    workflow_run_id=run_id,
-                    sequence=current + offset,
-                    event_type=ev["type"],
-                    payload=ev,
-                    causation_id=causation_id,
-                    occurred_at=now,
-                )
+        last = _reserve_sequences(run_id, len(run_events), now)
+        first = last - len(run_events) + 1
+        rows.extend(
+            OutboxEvent(
+                created_at=now,
+                workflow_run_id=run_id,
+                sequence=first + offset,
+                event_type=ev["type"],
+                payload=ev,
+                causation_id=causation_id,
+                occurred_at=now,
             )
+            for offset, ev in enumerate(run_events)
+        )
     OutboxEvent.objects.bulk_create(rows)
+    transaction.on_commit(_events_committed)
     return len(rows)
+
+
+def _events_committed() -> None:
+    from .flusher import events_committed
+
+    events_committed()

@@ -3,7 +3,11 @@
 The table is the truth: leases, delivery counts, back-off and cancellation live here. After a
 transaction that enqueued jobs commits, the transport wakes workers (a hint, not a promise).
 Job state changes check the job's current status, so a CANCELLED job stays CANCELLED
-(Part I item 9, EC-36).
+(Part I item 9, EC-36). A delivery's own changes (heartbeat, complete, fail, suspend) can also
+be fenced by its token, the ``attempt`` it was leased with: a delivery whose lease was taken
+over changes nothing. Lease times (``locked_at``) and retry not-before times (``next_poll_at``)
+are written and compared in lease time, the database's clock (:mod:`.leases`), so hosts whose
+clocks disagree still agree on who owns a job.
 
 Re-delivery is bounded (Part I item 3, EC-21): a job whose next delivery would exceed
 ``max_attempts`` - found by :meth:`JobQueue.dequeue` or by ``lease.reapStale`` - is never
@@ -26,6 +30,7 @@ from django.db.models import F
 from ..conf import workflow_settings
 from ..models import Status, WorkflowJob
 from ..ports import Clock, JobTransport
+from .leases import LeaseClock
 from .locking import claim_next_job, lock_exhausted_stale_jobs
 
 #: ``on_exhausted(job, message) -> bool``: settle a job whose deliveries are used up; ``False``
@@ -55,6 +60,7 @@ class JobSpec:
     priority: int = 5
     payload: dict[str, Any] = field(default_factory=dict)
     next_poll_at: datetime | None = None
+    run_created_at: datetime | None = None
 
 
 class JobQueue:
@@ -69,34 +75,57 @@ class JobQueue:
         self, clock: Clock, transport: JobTransport, on_exhausted: ExhaustedHook | None = None
     ) -> None:
         self.clock = clock
+        self.lease_clock = LeaseClock(clock)
         self.transport = transport
         self.on_exhausted = on_exhausted
 
-    def enqueue(self, specs: list[JobSpec]) -> list[int]:
-        """Insert PENDING jobs (one statement) and wake workers after commit. Returns ids."""
+    def enqueue(self, specs: list[JobSpec], *, reserve_for: str | None = None) -> list[int]:
+        """Insert PENDING jobs (one statement) and wake workers after commit. Returns ids; see
+        :meth:`enqueue_jobs`.
+        """
+        return [job.pk for job in self.enqueue_jobs(specs, reserve_for=reserve_for)]
+
+    def enqueue_jobs(
+        self, specs: list[JobSpec], *, reserve_for: str | None = None
+    ) -> list[WorkflowJob]:
+        """Insert PENDING jobs (one statement) and wake workers after commit; returns the rows.
+
+        ``reserve_for``: a worker id; the first job is inserted already leased to that worker
+        (RUNNING, attempt 1, lease stamped), so a worker that advanced a run continues with
+        its next stage without a round trip through the queue. Only the other jobs wake
+        workers.
+        """
         if not specs:
             return []
         now = self.clock.now()
         max_attempts = int(workflow_settings.MAX_ATTEMPTS)
-        jobs = WorkflowJob.objects.bulk_create(
-            [
-                WorkflowJob(
-                    created_at=now,
-                    updated_at=now,
-                    workflow_run_id=s.workflow_run_id,
-                    workflow_id=s.workflow_id,
-                    stage_id=s.stage_id,
-                    priority=s.priority,
-                    payload=s.payload,
-                    max_attempts=max_attempts,
-                    next_poll_at=s.next_poll_at,
-                )
-                for s in specs
-            ]
-        )
-        count = len(jobs)
-        transaction.on_commit(lambda: self.transport.wake_workers(count))
-        return [job.pk for job in jobs]
+        jobs = [
+            WorkflowJob(
+                created_at=now,
+                updated_at=now,
+                workflow_run_id=s.workflow_run_id,
+                workflow_id=s.workflow_id,
+                stage_id=s.stage_id,
+                priority=s.priority,
+                payload=s.payload,
+                max_attempts=max_attempts,
+                next_poll_at=s.next_poll_at,
+                run_created_at=s.run_created_at or now,
+            )
+            for s in specs
+        ]
+        if reserve_for is not None:
+            first = jobs[0]
+            first.status = Status.RUNNING
+            first.worker_id = reserve_for
+            first.locked_at = self.lease_clock.now()
+            first.started_at = now
+            first.attempt = 1
+        WorkflowJob.objects.bulk_create(jobs)
+        count = len(jobs) - (reserve_for is not None)
+        if count:
+            transaction.on_commit(lambda: self.transport.wake_workers(count))
+        return jobs
 
     def dequeue(self, worker_id: str) -> WorkflowJob | None:
         """Lease the next ready job: RUNNING, ``attempt + 1``, lease stamped (DM-41, SM-20).
@@ -105,38 +134,60 @@ class JobQueue:
         up (:meth:`give_up`) and the next ready job is considered (Part I item 3, EC-21).
         Database errors propagate (they are not an empty queue).
         """
-        now = self.clock.now()
         with transaction.atomic():
-            seen: list[int] = []
-            while True:
-                job = claim_next_job(now, exclude=seen)
-                if job is None:
-                    return None
-                if job.attempt < job.max_attempts:
-                    break
-                seen.append(job.pk)
+            return self.lease_next(worker_id)
+
+    def lease_next(
+        self, worker_id: str, *, accept: Callable[[WorkflowJob], bool] | None = None
+    ) -> WorkflowJob | None:
+        """:meth:`dequeue` inside the caller's transaction (the caller commits the lease).
+
+        Ready jobs are served by priority, then oldest run first, so a started run finishes
+        before newer runs start (depth-first within a priority). ``accept(job)``: asked
+        before a job is leased; a job it refuses is passed over.
+        """
+        now = self.clock.now()
+        seen: list[int] = []
+        while True:
+            job = claim_next_job(self.lease_clock.now(), exclude=seen)
+            if job is None:
+                return None
+            seen.append(job.pk)
+            if job.attempt >= job.max_attempts:
                 self.give_up(job)
-            job.status = Status.RUNNING
-            job.worker_id = worker_id
-            job.locked_at = job.started_at = job.updated_at = now
-            job.attempt += 1
-            job.save(
-                update_fields=[
-                    "status",
-                    "worker_id",
-                    "locked_at",
-                    "started_at",
-                    "updated_at",
-                    "attempt",
-                ]
-            )
+            elif accept is None or accept(job):
+                break
+        job.status = Status.RUNNING
+        job.worker_id = worker_id
+        job.locked_at = self.lease_clock.now()
+        job.started_at = job.updated_at = now
+        job.attempt += 1
+        job.save(
+            update_fields=[
+                "status",
+                "worker_id",
+                "locked_at",
+                "started_at",
+                "updated_at",
+                "attempt",
+            ]
+        )
         return job
 
-    def complete(self, job_id: int, *, from_status: str = Status.RUNNING) -> bool:
-        """RUNNING (or ``from_status``) -> COMPLETED (DM-42, SM-21/26)."""
+    @staticmethod
+    def _fenced(job_id: int, from_status: str, attempt: int | None) -> Any:
+        qs = WorkflowJob.objects.filter(pk=job_id, status=from_status)
+        return qs if attempt is None else qs.filter(attempt=attempt)
+
+    def complete(
+        self, job_id: int, *, from_status: str = Status.RUNNING, attempt: int | None = None
+    ) -> bool:
+        """RUNNING (or ``from_status``) -> COMPLETED (DM-42, SM-21/26); with ``attempt`` only
+        if the job is still at that delivery (fencing).
+        """
         now = self.clock.now()
         return bool(
-            WorkflowJob.objects.filter(pk=job_id, status=from_status).update(
+            self._fenced(job_id, from_status, attempt).update(
                 status=Status.COMPLETED,
                 completed_at=now,
                 updated_at=now,
@@ -145,15 +196,17 @@ class JobQueue:
             )
         )
 
-    def suspend(self, job_id: int, next_poll_at: datetime | None) -> bool:
-        """RUNNING -> SUSPENDED, lease cleared (DM-43, SM-22)."""
+    def suspend(
+        self, job_id: int, next_poll_at: datetime | None, *, attempt: int | None = None
+    ) -> bool:
+        """RUNNING -> SUSPENDED, lease cleared (DM-43, SM-22); fenced by ``attempt``."""
         now = self.clock.now()
         if next_poll_at is None:
             next_poll_at = now + timedelta(
                 seconds=float(workflow_settings.SUSPEND_FALLBACK_SECONDS)
             )
         return bool(
-            WorkflowJob.objects.filter(pk=job_id, status=Status.RUNNING).update(
+            self._fenced(job_id, Status.RUNNING, attempt).update(
                 status=Status.SUSPENDED,
                 next_poll_at=next_poll_at,
                 updated_at=now,
@@ -162,35 +215,53 @@ class JobQueue:
             )
         )
 
-    def fail(self, job_id: int, error: str, *, should_retry: bool = False) -> str | None:
-        """Fail a RUNNING job (DM-44, SM-23/24).
+    def retry_delay_seconds(self, attempt: int) -> float:
+        """Back-off before delivery ``attempt + 1``: ``RETRY_BACKOFF_BASE_SECONDS *
+        2**(attempt-1)``, capped by ``RETRY_BACKOFF_MAX_SECONDS`` (DM-44).
+        """
+        return min(
+            float(workflow_settings.RETRY_BACKOFF_BASE_SECONDS) * 2 ** max(attempt - 1, 0),
+            float(workflow_settings.RETRY_BACKOFF_MAX_SECONDS),
+        )
 
-        With ``should_retry`` and deliveries left the job goes back to PENDING after an
-        exponential back-off of ``RETRY_BACKOFF_BASE_SECONDS * 2**(attempt-1)`` seconds
-        (capped by ``RETRY_BACKOFF_MAX_SECONDS``); otherwise it is FAILED.
+    def fail(
+        self,
+        job_id: int,
+        error: str,
+        *,
+        should_retry: bool = False,
+        attempt: int | None = None,
+        max_attempts: int | None = None,
+    ) -> str | None:
+        """Fail a RUNNING job (DM-44, SM-23/24); fenced by ``attempt`` when given.
+
+        With ``should_retry`` and deliveries left the job goes back to PENDING after
+        :meth:`retry_delay_seconds` (in lease time); otherwise it is FAILED. ``attempt`` and
+        ``max_attempts``, when the caller knows them, save reading the job.
 
         Returns:
-            The new status, or ``None`` if the job was no longer RUNNING.
+            The new status, or ``None`` if the job was no longer RUNNING (at ``attempt``).
         """
         now = self.clock.now()
-        job = WorkflowJob.objects.filter(pk=job_id).only("attempt", "max_attempts").first()
-        if job is None:
-            return None
-        if should_retry and job.attempt < job.max_attempts:
-            delay = min(
-                float(workflow_settings.RETRY_BACKOFF_BASE_SECONDS) * 2 ** max(job.attempt - 1, 0),
-                float(workflow_settings.RETRY_BACKOFF_MAX_SECONDS),
-            )
-            updated = WorkflowJob.objects.filter(pk=job_id, status=Status.RUNNING).update(
+        if attempt is None or max_attempts is None:
+            job = WorkflowJob.objects.filter(pk=job_id).only("attempt", "max_attempts").first()
+            if job is None:
+                return None
+            current, limit = job.attempt, job.max_attempts
+        else:
+            current, limit = attempt, max_attempts
+        fenced = self._fenced(job_id, Status.RUNNING, attempt)
+        if should_retry and current < limit:
+            updated = fenced.update(
                 status=Status.PENDING,
                 last_error=error,
                 worker_id=None,
                 locked_at=None,
-                next_poll_at=now + timedelta(seconds=delay),
+                next_poll_at=self.lease_clock.offset(self.retry_delay_seconds(current)),
                 updated_at=now,
             )
             return Status.PENDING if updated else None
-        updated = WorkflowJob.objects.filter(pk=job_id, status=Status.RUNNING).update(
+        updated = fenced.update(
             status=Status.FAILED,
             last_error=error,
             completed_at=now,
@@ -233,12 +304,14 @@ class JobQueue:
             fields["last_error"] = error
         return bool(WorkflowJob.objects.filter(pk=job.pk, status=job.status).update(**fields))
 
-    def touch(self, job_id: int) -> bool:
-        """Heartbeat: refresh the lease of a RUNNING job; a no-op otherwise (DM-46)."""
-        now = self.clock.now()
+    def touch(self, job_id: int, *, attempt: int | None = None) -> bool:
+        """Heartbeat: refresh the lease of a RUNNING job; a no-op otherwise (DM-46). With
+        ``attempt``, only while the job is still at that delivery: ``False`` tells a worker
+        that its lease was taken over.
+        """
         return bool(
-            WorkflowJob.objects.filter(pk=job_id, status=Status.RUNNING).update(
-                locked_at=now, updated_at=now
+            self._fenced(job_id, Status.RUNNING, attempt).update(
+                locked_at=self.lease_clock.now(), updated_at=self.clock.now()
             )
         )
 
@@ -249,7 +322,7 @@ class JobQueue:
         are for :meth:`give_up_stale` (Part I item 3). Returns the number released.
         """
         now = self.clock.now()
-        cutoff = now - timedelta(seconds=threshold_seconds)
+        cutoff = self.lease_clock.offset(-threshold_seconds)
         return WorkflowJob.objects.filter(
             status=Status.RUNNING, locked_at__lt=cutoff, attempt__lt=F("max_attempts")
         ).update(status=Status.PENDING, worker_id=None, locked_at=None, updated_at=now)
@@ -259,7 +332,7 @@ class JobQueue:
         used up (``attempt >= max_attempts``) instead of releasing them (Part I item 3, EC-21).
         Must run inside a transaction. Returns the number given up.
         """
-        cutoff = self.clock.now() - timedelta(seconds=threshold_seconds)
+        cutoff = self.lease_clock.offset(-threshold_seconds)
         return sum(1 for job in lock_exhausted_stale_jobs(cutoff) if self.give_up(job))
 
     def cancel_by_run(self, run_id: uuid.UUID) -> int:

@@ -117,6 +117,9 @@ class KernelStageServices:
         self._last_cancel_check = float("-inf")
         self._cancelled = False
         self.pending_progress: tuple[float, str] | None = None
+        #: Set by the delivery's heartbeat when its lease was taken over: the result will be
+        #: discarded, so ``is_cancelled()`` answers ``True`` and the stage may stop early.
+        self.lease_lost: threading.Event | None = None
 
     def log(self, level: str, message: str, meta: dict[str, Any] | None) -> None:
         lvl = _LEVELS.get(level.upper())
@@ -146,7 +149,8 @@ class KernelStageServices:
             )
 
     def is_cancelled(self) -> bool:
-        if self._cancelled or str(self.run_id) in _runs_seen_cancelled:
+        lease_lost = self.lease_lost is not None and self.lease_lost.is_set()
+        if self._cancelled or lease_lost or str(self.run_id) in _runs_seen_cancelled:
             self._cancelled = True
             return True
         mono = time.monotonic()

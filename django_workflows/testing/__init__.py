@@ -21,7 +21,13 @@ from ..transport.inline import RecordingTransport
 
 
 class FakeClock:
-    """A clock that only moves when told (Appendix C). Default start 2025-01-01T00:00:00Z."""
+    """A clock that only moves when told (Appendix C). Default start 2025-01-01T00:00:00Z.
+
+    It also drives lease time (``drives_leases``): leases are stamped and judged with this
+    clock instead of the database's, so a test can expire a lease by advancing it.
+    """
+
+    drives_leases = True
 
     def __init__(self, start: datetime | None = None) -> None:
         self._now = start or datetime(2025, 1, 1, tzinfo=UTC)

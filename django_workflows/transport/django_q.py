@@ -30,7 +30,7 @@ from typing import Any
 from django.db import close_old_connections
 
 from ..conf import workflow_settings
-from ..kernel.commands import ClaimPendingRuns
+from ..kernel import flusher
 from ..kernel.hosting import (
     LeaseKeeper,
     acquire_lease,
@@ -65,19 +65,19 @@ def worker_id() -> str:
 
 
 def work(claim: bool = False) -> dict[str, Any]:
-    """django-q2 task: optionally claim PENDING runs, then drain ready jobs."""
+    """django-q2 task: deliver up to ``JOBS_PER_WAKEUP`` jobs, continuing each run this worker
+    advances and claiming PENDING runs when no job is ready (:mod:`..kernel.delivery`).
+
+    ``claim`` is kept for wake-ups queued by older versions; claiming is always on demand.
+    """
     close_old_connections()
+    flusher.enable()
     kernel = get_kernel()
-    claimed = 0
-    if claim:
-        res = kernel.dispatch(
-            ClaimPendingRuns(worker_id(), max_claims=int(workflow_settings.MAX_CLAIMS_PER_TICK))
-        )
-        claimed = len(res.claimed)
-    result = process_available_jobs(
-        kernel, worker_id(), max_jobs=int(workflow_settings.JOBS_PER_WAKEUP)
-    )
-    return {"claimed": claimed, **asdict(result)}
+    limit = int(workflow_settings.JOBS_PER_WAKEUP)
+    result = process_available_jobs(kernel, worker_id(), max_jobs=limit)
+    if result.processed >= limit:
+        kernel.transport.wake_workers(1)  # work is left: hand it to the next free worker
+    return asdict(result)
 
 
 def _has_live_runs() -> bool:
@@ -96,6 +96,7 @@ def ticker(run_seconds: float | None = None) -> dict[str, Any]:
     ticker runs; if it was lost to another ticker, this one stops.
     """
     close_old_connections()
+    flusher.enable()
     kernel = get_kernel()
     owner = worker_id() + "-ticker"
     duration = float(
@@ -160,7 +161,10 @@ class DjangoQTransport:
             self._send(WORK_TASK)
 
     def wake_claimer(self) -> None:
-        self._send(WORK_TASK, claim=True)
+        # Wake-ups are hints: enough of them are queued already when the queue holds
+        # max_pending_wakeups (each busy worker hands its leftover work on).
+        if self._queued() < self.max_pending_wakeups:
+            self._send(WORK_TASK)
 
     def wake_ticker(self) -> None:
         if lease_is_free(get_kernel(), TICKER_LEASE):

@@ -131,10 +131,12 @@ def make_runs(kernel: Kernel) -> Runs:
     cancelled = _create(kernel, "admin-two-stage", input={"value": 2})
     kernel.dispatch(CancelRun(cancelled, reason="test"))
 
-    running = _create(kernel, "admin-two-stage", input={"value": 3})
     suspended = _create(kernel, "admin-suspends")
     _claim(kernel)
     process_available_jobs(kernel, "test-worker", max_jobs=2)  # prepare + batch
+    running = _create(kernel, "admin-two-stage", input={"value": 3})
+    _claim(kernel)
+    process_available_jobs(kernel, "test-worker", max_jobs=1)  # its first stage only
     pending = _create(kernel, "admin-two-stage", input={"value": 4})
     kernel.dispatch(FlushOutbox())
 

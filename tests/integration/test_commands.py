@@ -577,6 +577,10 @@ def test_run_with_reused_idempotency_key_says_nothing_was_created():
 
     again = run_command("workflows_run", "flaky-demo", "--idempotency-key", "k")
     assert f"run {run_id} already exists for idempotency key 'k'; nothing was created" in again
-    with pytest.raises(CommandError, match=rf"already used by run {run_id} of workflow flaky-demo"):
+    with pytest.raises(
+        CommandError, match=rf"used for run.create of run {run_id} with workflow 'flaky-demo'"
+    ):
         run_command("workflows_run", "package-report", "--idempotency-key", "k")
+    with pytest.raises(CommandError, match=r"'k' was already used .* with another input"):
+        run_command("workflows_run", "flaky-demo", "--idempotency-key", "k", "--input", '{"x": 1}')
     assert WorkflowRun.objects.count() == 1

@@ -226,25 +226,20 @@ def test_terminal_failure_fails_the_run_at_once_with_the_stage_error(
     assert failed["error"] == "RuntimeError: upstream API said no"
 
 
-def test_cancel_between_suspension_and_queue_update_leaves_no_suspended_job(
-    kernel_for: KernelFor, monkeypatch: pytest.MonkeyPatch
+def test_suspension_and_job_state_commit_together_so_a_later_cancel_cancels_the_job(
+    kernel_for: KernelFor,
 ) -> None:
-    """K-CA-2/3, SM-25, H-6: a cancel that commits after Phase 3 suspended the stage but before
-    the host marks the job SUSPENDED cannot cancel the (still RUNNING) job; the host notices the
-    run left RUNNING and cancels the job, so no SUSPENDED job outlives its run."""
+    """K-CA-2/3, SM-25, H-6: the stage's suspension and its job's SUSPENDED state commit in one
+    transaction under the run lock (the race of a cancel between the two is gone), so a cancel
+    that follows finds the SUSPENDED job and cancels it: no SUSPENDED job outlives its run."""
     wf = define_workflow(id="with-batch").pipe(async_stage()).build()
     kernel = kernel_for(wf)
     run_id = _create(kernel, "with-batch")
     run_maintenance_tick(kernel, "t")
-    real_suspend = kernel.queue.suspend
-
-    def cancel_first(job_id: int, next_poll_at: Any) -> bool:
-        kernel.dispatch(CancelRun(run_id))
-        return real_suspend(job_id, next_poll_at)
-
-    monkeypatch.setattr(kernel.queue, "suspend", cancel_first)
 
     process_available_jobs(kernel, "w")
+    assert WorkflowJob.objects.get(workflow_run_id=run_id).status == Status.SUSPENDED
+    kernel.dispatch(CancelRun(run_id))
 
     assert _run(run_id).status == Status.CANCELLED
     job = WorkflowJob.objects.get(workflow_run_id=run_id)

@@ -57,7 +57,8 @@ def test_replay_returns_the_cached_result_and_writes_nothing(
     run_id = _create(kernel)
     key_row = IdempotencyKey.objects.get()
     assert (key_row.state, key_row.created_at) == (IdempotencyKey.State.COMPLETED, clock.now())
-    assert key_row.result == {"workflow_run_id": run_id, "status": Status.PENDING}
+    assert key_row.result["workflow_run_id"] == run_id
+    assert key_row.result["status"] == Status.PENDING
     events = OutboxEvent.objects.count()
     clock.advance(3600)
 
@@ -185,27 +186,35 @@ def test_release_errors_are_swallowed_and_the_command_error_propagates(
         _create(kernel, key="k")
 
 
-def test_failed_completion_releases_the_key(
+def test_key_is_recorded_in_the_runs_transaction(
     kernel_for: KernelFor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """K-10, EC-48: if storing the result fails after the command committed, the key is
-    released and the error raised (a retry re-executes the command)."""
+    """K-10, EC-48, issue 7: the key is recorded in the run's own transaction, so a failure to
+    record it rolls the run back too: no run behind a missing (or "in progress") key, and a
+    retry creates the run exactly once."""
     kernel = kernel_for(two_stage())
+    real_record = idempotency.record
 
-    def broken_complete(*args: Any, **kwargs: Any) -> None:
+    def broken_record(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("cache unavailable")
 
-    monkeypatch.setattr(idempotency, "complete", broken_complete)
+    monkeypatch.setattr(idempotency, "record", broken_record)
     with pytest.raises(RuntimeError, match="cache unavailable"):
         _create(kernel, key="k")
     assert IdempotencyKey.objects.count() == 0
+    assert WorkflowRun.objects.count() == 0
+    assert OutboxEvent.objects.count() == 0
+
+    monkeypatch.setattr(idempotency, "record", real_record)
+    run_id = _create(kernel, key="k")
+    assert _create(kernel, key="k") == run_id
     assert WorkflowRun.objects.count() == 1
 
 
-def test_job_execute_is_keyed_per_delivery(kernel_for: KernelFor, clock: FakeClock) -> None:
-    """H-3, K-10, K-13, SM-31, issue 3 item 2: the host keys ``job.execute`` with
-    ``job:{id}:attempt:{n}``: a failed delivery's result is cached under its own key, and the
-    retry (next delivery) runs the stage again under a new key."""
+def test_job_deliveries_write_no_idempotency_keys(kernel_for: KernelFor, clock: FakeClock) -> None:
+    """H-3, SM-31, issue 7: a delivery is identified by its job's lease and attempt (the
+    fencing token), not by an idempotency-key row: a failed first delivery and its retry
+    leave no ``job.execute`` keys behind, and the retry runs the stage again."""
     calls = {"n": 0}
 
     def flaky(ctx: StageContext[Num, Any]) -> Num:
@@ -226,11 +235,7 @@ def test_job_execute_is_keyed_per_delivery(kernel_for: KernelFor, clock: FakeClo
     assert process_available_jobs(kernel, "w").succeeded == 1
 
     job = WorkflowJob.objects.get(workflow_run_id=run_id)
-    rows = {
-        k.key: k.result["outcome"]
-        for k in IdempotencyKey.objects.filter(command_type="job.execute")
-    }
-    assert rows == {f"job:{job.pk}:attempt:1": "failed", f"job:{job.pk}:attempt:2": "completed"}
+    assert not IdempotencyKey.objects.filter(command_type="job.execute").exists()
     assert (job.status, job.attempt, calls["n"]) == (Status.COMPLETED, 2, 2)
 
 

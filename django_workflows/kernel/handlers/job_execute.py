@@ -98,7 +98,7 @@ def handle(kernel: Kernel, cmd: ExecuteJob) -> ExecuteJobResult:
     try:
         with transaction.atomic():
             require_running(run_id)
-            record = _start_stage(run, node, record, cmd.config, start)
+            record = start_stage(run, node, record, cmd.config, start)
             append_events(
                 [
                     ev.event(
@@ -125,8 +125,8 @@ def handle(kernel: Kernel, cmd: ExecuteJob) -> ExecuteJobResult:
         stage_id=node.stage.id,
         stage_pk=record.pk,
     )
-    outcome = _execute(
-        kernel, workflow, node, run, record, cmd, raw_outputs, resume_state, services, start
+    outcome = run_stage(
+        kernel, workflow, node, run, record, cmd.config, raw_outputs, resume_state, services, start
     )
     for warning in outcome.warnings:
         write_log(
@@ -143,23 +143,7 @@ def handle(kernel: Kernel, cmd: ExecuteJob) -> ExecuteJobResult:
         with transaction.atomic():
             run = require_running(run_id)
             now = kernel.clock.now()
-            events = list(_progress_events(run_id, outcome, now))
-            last = _pending_progress(services)
-            if outcome.error is not None:
-                result = _fail(node, record, outcome, start, now, events, last)
-            elif outcome.suspend is not None:
-                result = _suspend(node, record, outcome, now, events, last)
-            else:
-                result = _complete(kernel, run, node, record, outcome, start, now, events)
-            events += write_annotations(
-                run_id,
-                outcome.annotations,
-                now=now,
-                scope="stage",
-                scope_id=node.stage.id,
-                stage_pk=record.pk,
-                attempt=record.attempt,
-            )
+            result, events = write_outcome(kernel, run, node, record, outcome, services, start, now)
             append_events(events, causation, now)
     except RunNotRunningError as exc:
         return _ghost(exc, after=True)
@@ -174,14 +158,51 @@ def handle(kernel: Kernel, cmd: ExecuteJob) -> ExecuteJobResult:
     return result
 
 
-def _start_stage(
+def write_outcome(
+    kernel: Kernel,
+    run: WorkflowRun,
+    node: StageNode,
+    record: WorkflowStage,
+    outcome: ExecutionOutcome,
+    services: KernelStageServices,
+    start: datetime,
+    now: datetime,
+) -> tuple[ExecuteJobResult, list[dict[str, Any]]]:
+    """Phase 3's writes (K-JE-12..17), for a caller that holds the run's row lock and found it
+    RUNNING: the stage record's outcome (COMPLETED with the output blob / SUSPENDED / FAILED),
+    the buffered annotations, and the events in order (progress, the outcome event,
+    ``annotation:created``). Returns the result and the events to append.
+    """
+    events = list(_progress_events(run.pk, outcome, now))
+    last = _pending_progress(services)
+    if outcome.error is not None:
+        result = _fail(node, record, outcome, start, now, events, last)
+    elif outcome.suspend is not None:
+        result = _suspend(node, record, outcome, now, events, last)
+    else:
+        result = _complete(kernel, run, node, record, outcome, start, now, events)
+    events += write_annotations(
+        run.pk,
+        outcome.annotations,
+        now=now,
+        scope="stage",
+        scope_id=node.stage.id,
+        stage_pk=record.pk,
+        attempt=record.attempt,
+    )
+    return result, events
+
+
+def start_stage(
     run: WorkflowRun,
     node: StageNode,
     record: WorkflowStage | None,
     config: dict[str, Any],
     now: datetime,
 ) -> WorkflowStage:
-    """Upsert the record to RUNNING (K-JE-6), clearing the previous attempt (Part I item 9)."""
+    """Phase 1's write: upsert the record to RUNNING (K-JE-6), clearing the previous attempt's
+    error, suspension and progress (Part I item 9). Returns the record as written.
+    """
     fields: dict[str, Any] = dict(
         status=Status.RUNNING,
         started_at=now,
@@ -212,18 +233,23 @@ def _start_stage(
     )
 
 
-def _execute(
+def run_stage(
     kernel: Kernel,
     workflow: Workflow,
     node: StageNode,
     run: WorkflowRun,
     record: WorkflowStage,
-    cmd: ExecuteJob,
+    config: dict[str, Any] | None,
     raw_outputs: dict[str, Any],
     resume_state: Any,
     services: KernelStageServices,
     start: datetime,
 ) -> ExecutionOutcome:
+    """Phase 2 (no transaction): resolve the input from the previous group (WF-40/41) and run
+    the stage through the executor with the outputs of earlier groups as its context
+    (Part I item 7). ``raw_outputs``: ``{stage_id: output}`` of earlier groups' COMPLETED
+    records. ``config``: the whole run-config map (``None``: the run's).
+    """
     group = node.execution_group
     if group == 1:
         present, raw_input = True, run.input
@@ -246,7 +272,7 @@ def _execute(
             stage_number=node.stage_number,
             attempt=record.attempt,
             raw_input=raw_input,
-            config=cmd.config or run.config or {},
+            config=config or run.config or {},
             resume_state=resume_state,
             workflow_context=context,
             services=services,
@@ -268,6 +294,13 @@ def _pending_progress(services: KernelStageServices) -> dict[str, Any]:
     return {"progress": value, "progress_message": message[:2000]}
 
 
+def _write(record: WorkflowStage, now: datetime, **fields: Any) -> None:
+    """Update the stage record in the database and in memory (the caller keeps using it)."""
+    update_stage(record.pk, now, **fields)
+    for name, value in fields.items():
+        setattr(record, name, value)
+
+
 def _metrics(start: datetime, now: datetime, custom: dict[str, Any] | None) -> dict[str, Any]:
     return {
         "start_time": start.isoformat(),
@@ -286,8 +319,8 @@ def _fail(
     events: list[dict[str, Any]],
     last_progress: dict[str, Any],
 ) -> ExecuteJobResult:
-    update_stage(
-        record.pk,
+    _write(
+        record,
         now,
         status=Status.FAILED,
         completed_at=now,
@@ -318,8 +351,8 @@ def _suspend(
 ) -> ExecuteJobResult:
     s = outcome.suspend
     assert s is not None
-    update_stage(
-        record.pk,
+    _write(
+        record,
         now,
         status=Status.SUSPENDED,
         suspended_state=s.state,
@@ -368,8 +401,8 @@ def _complete(
         output_data["_artifactKeys"] = keys
     kernel.blobs.put_many(blobs, run_id=str(run.pk), stage_id=sid)
     duration = _ms(start, now)
-    update_stage(
-        record.pk,
+    _write(
+        record,
         now,
         status=Status.COMPLETED,
         completed_at=now,

@@ -9,11 +9,12 @@ that are PENDING (K-CP-4).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
-from ...models import Status, WorkflowRun
+from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import events as ev
 from ..commands import ClaimedRun, ClaimPendingRuns, ClaimPendingRunsResult
 from ..locking import claim_next_pending_run
@@ -22,6 +23,17 @@ from .base import HandlerOutput, enqueue_stage_jobs
 
 if TYPE_CHECKING:
     from ..dispatch import Kernel
+
+
+@dataclass
+class StartedRun:
+    """A run :func:`start_claimed_run` moved to RUNNING: its public result, the jobs it
+    enqueued (the first one leased when a worker was named) and its group-1 stage records.
+    """
+
+    claimed: ClaimedRun
+    jobs: list[WorkflowJob]
+    records: list[WorkflowStage]
 
 
 def _fail(
@@ -51,31 +63,46 @@ def handle(kernel: Kernel, cmd: ClaimPendingRuns) -> HandlerOutput:
         run = claim_next_pending_run()
         if run is None:
             break
-        now = kernel.clock.now()
-        update_run(run.pk, now, status=Status.RUNNING, started_at=now)
-        run.status, run.started_at = Status.RUNNING, now
-        workflow = kernel.registry.get(run.workflow_id)
-        if workflow is None:
-            _fail(
-                kernel,
-                run,
-                "WORKFLOW_NOT_FOUND",
-                f"Workflow {run.workflow_id!r} not found in registry",
-                cmd.worker_id,
-                events,
-            )
-            continue
-        try:
-            with transaction.atomic():  # savepoint: Part I item 2
-                records = create_missing_stages(
-                    run, workflow.stages_in_group(1), attempt=0, now=now
-                )
-                job_ids = enqueue_stage_jobs(kernel.queue, run, records)
-        except Exception as exc:
-            _fail(
-                kernel, run, "CLAIM_FAILED", f"{type(exc).__name__}: {exc}", cmd.worker_id, events
-            )
-            continue
-        events.append(ev.event(ev.WORKFLOW_STARTED, run.pk, now))
-        claimed.append(ClaimedRun(str(run.pk), run.workflow_id, job_ids))
+        started = start_claimed_run(kernel, run, cmd.worker_id, events)
+        if started is not None:
+            claimed.append(started.claimed)
     return HandlerOutput(ClaimPendingRunsResult(claimed), events)
+
+
+def start_claimed_run(
+    kernel: Kernel,
+    run: WorkflowRun,
+    worker_id: str,
+    events: list[dict[str, Any]],
+    *,
+    reserve_for: str | None = None,
+) -> StartedRun | None:
+    """Move a claimed (locked, PENDING) run to RUNNING and enqueue its first group (K-CP-2..6);
+    its events are appended to ``events``. ``reserve_for`` leases the first job to that worker.
+
+    Returns what was started, or ``None`` when the run was failed instead (workflow missing,
+    or preparing its first group raised: Part I item 2).
+    """
+    now = kernel.clock.now()
+    update_run(run.pk, now, status=Status.RUNNING, started_at=now)
+    run.status, run.started_at = Status.RUNNING, now
+    workflow = kernel.registry.get(run.workflow_id)
+    if workflow is None:
+        _fail(
+            kernel,
+            run,
+            "WORKFLOW_NOT_FOUND",
+            f"Workflow {run.workflow_id!r} not found in registry",
+            worker_id,
+            events,
+        )
+        return None
+    try:
+        with transaction.atomic():  # savepoint: Part I item 2
+            records = create_missing_stages(run, workflow.stages_in_group(1), attempt=0, now=now)
+            jobs = enqueue_stage_jobs(kernel.queue, run, records, reserve_for=reserve_for)
+    except Exception as exc:
+        _fail(kernel, run, "CLAIM_FAILED", f"{type(exc).__name__}: {exc}", worker_id, events)
+        return None
+    events.append(ev.event(ev.WORKFLOW_STARTED, run.pk, now))
+    return StartedRun(ClaimedRun(str(run.pk), run.workflow_id, [j.pk for j in jobs]), jobs, records)

@@ -97,4 +97,5 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
     events = [ev.event(ev.WORKFLOW_CREATED, run.pk, now, workflow_id=workflow.id)]
     events += write_annotations(run.pk, inputs, now=now)
     transaction.on_commit(kernel.transport.wake_claimer)
-    return HandlerOutput(CreateRunResult(str(run.pk), Status.PENDING), events)
+    result = CreateRunResult(str(run.pk), Status.PENDING, CreateRunResult.request_of(cmd))
+    return HandlerOutput(result, events)

@@ -7,7 +7,10 @@ A RUNNING run is a candidate when neither it nor any of its stage records change
 * a SUSPENDED stage whose next poll or deadline is still ahead (EC-23);
 * a PENDING job waiting in the queue (EC-24).
 
-For each candidate (row-locked, re-checked RUNNING): PENDING stage records that no job serves
+For each candidate (row-locked, re-checked RUNNING): a run with no active stage record is
+advanced by the transition rules instead of failed (its work is done: the next group is
+created, or the run completes or fails with its stage's error); PENDING stage records that no
+job serves
 (no PENDING or RUNNING job, and no job of the record's generation that ended, e.g. one given up
 after ``max_attempts`` deliveries, Part I item 3) get a fresh job (recovery sweep, K-RS-3) and
 the run is left alone; otherwise the
@@ -23,12 +26,13 @@ from typing import TYPE_CHECKING, Any
 from django.db.models import Exists, OuterRef, Q
 
 from ...conf import workflow_settings
-from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
+from ...models import ACTIVE_STAGE_STATUSES, Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import events as ev
 from ..commands import ReapStuckRuns, ReapStuckRunsResult
 from ..locking import lock_run
 from ..store import stages_of, update_run
 from .base import HandlerOutput, enqueue_stage_jobs
+from .run_transition import advance
 
 if TYPE_CHECKING:
     from ..dispatch import Kernel
@@ -61,13 +65,22 @@ def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
         .values_list("pk", flat=True)
     )
     events: list[dict[str, Any]] = []
-    failed = recovered = 0
+    failed = recovered = advanced = 0
     threshold = cmd.stuck_threshold_seconds
     for run_id in candidates:
         run = lock_run(run_id)
         if run is None or run.status != Status.RUNNING:
             continue
         records = stages_of(run_id)
+        workflow = kernel.registry.get(run.workflow_id)
+        if workflow is not None and not any(r.status in ACTIVE_STAGE_STATUSES for r in records):
+            # Its work is done but it was never advanced (a transition lost by an engine
+            # older than the one-transaction outcome, or an operator's repair): advance it.
+            step = advance(kernel, workflow, run, records, now)
+            if step.result.action != "noop":
+                events += step.events
+                advanced += 1
+                continue
         pending = [r for r in records if r.status == Status.PENDING]
         if pending:
             orphans = _orphans(run_id, pending)
@@ -97,7 +110,9 @@ def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
         )
         events.append(ev.event(ev.WORKFLOW_FAILED, run_id, now, error=message))
         failed += 1
-    return HandlerOutput(ReapStuckRunsResult(failed, failed, recovered), events)
+    return HandlerOutput(
+        ReapStuckRunsResult(failed + advanced, failed, recovered + advanced), events
+    )
 
 
 def _orphans(run_id: Any, pending: list[WorkflowStage]) -> list[WorkflowStage]:

@@ -13,9 +13,12 @@ advances or completes it (EC-8); the second sees the new group's PENDING records
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
-from ...models import ACTIVE_STAGE_STATUSES, Status
+from ...definition.workflow import Workflow
+from ...models import ACTIVE_STAGE_STATUSES, Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import events as ev
 from ..commands import TransitionRun, TransitionRunResult
 from ..locking import lock_run, parse_run_id
@@ -43,19 +46,53 @@ def handle(kernel: Kernel, cmd: TransitionRun) -> HandlerOutput:
     workflow = kernel.registry.get(run.workflow_id)
     if workflow is None:
         return HandlerOutput(NOOP)
-    now = kernel.clock.now()
-    records = stages_of(run_id)
+    step = advance(kernel, workflow, run, stages_of(run_id), kernel.clock.now())
+    return HandlerOutput(step.result, step.events)
 
+
+@dataclass
+class Advance:
+    """What :func:`advance` did: the public result, the events to append, the records it
+    created, and the job it reserved for the calling worker (``None`` if it reserved none).
+    """
+
+    result: TransitionRunResult
+    events: list[dict[str, Any]] = field(default_factory=list)
+    new_records: list[WorkflowStage] = field(default_factory=list)
+    reserved_job: WorkflowJob | None = None
+
+
+def advance(
+    kernel: Kernel,
+    workflow: Workflow,
+    run: WorkflowRun,
+    records: list[WorkflowStage],
+    now: datetime,
+    *,
+    outputs: dict[str, Any] | None = None,
+    reserve_for: str | None = None,
+) -> Advance:
+    """The transition rules (K-TR-1..9) for a run whose row the caller has locked and found
+    RUNNING, given its current stage ``records``.
+
+    ``outputs``: raw outputs the caller already holds (``{stage_id: output}``), so completing
+    a run does not read them again. ``reserve_for``: a worker id; the first job of a new group
+    is inserted leased to that worker (see :meth:`JobQueue.enqueue`).
+    """
+    run_id = run.pk
     if not records:
         new = create_missing_stages(run, workflow.stages_in_group(1), attempt=0, now=now)
         update_run(run_id, now)
-        enqueue_stage_jobs(kernel.queue, run, new)
-        return HandlerOutput(
-            TransitionRunResult("advanced", 1), [ev.event(ev.WORKFLOW_STARTED, run_id, now)]
+        jobs = enqueue_stage_jobs(kernel.queue, run, new, reserve_for=reserve_for)
+        return Advance(
+            TransitionRunResult("advanced", 1),
+            [ev.event(ev.WORKFLOW_STARTED, run_id, now)],
+            new,
+            jobs[0] if reserve_for and jobs else None,
         )
 
     if any(r.status in ACTIVE_STAGE_STATUSES for r in records):
-        return HandlerOutput(NOOP)
+        return Advance(NOOP)
 
     failed = [r for r in records if r.status == Status.FAILED]
     if failed:
@@ -67,7 +104,7 @@ def handle(kernel: Kernel, cmd: TransitionRun) -> HandlerOutput:
         }
         unretried = [r for r in failed if r.stage_id not in retrying]
         if not unretried:
-            return HandlerOutput(NOOP)
+            return Advance(NOOP)
         error = unretried[0].error_message or "Stage failed"
         update_run(
             run_id,
@@ -76,7 +113,7 @@ def handle(kernel: Kernel, cmd: TransitionRun) -> HandlerOutput:
             completed_at=now,
             duration_ms=duration_ms(run.started_at, now),
         )
-        return HandlerOutput(
+        return Advance(
             TransitionRunResult("failed"), [ev.event(ev.WORKFLOW_FAILED, run_id, now, error=error)]
         )
 
@@ -85,14 +122,21 @@ def handle(kernel: Kernel, cmd: TransitionRun) -> HandlerOutput:
     if next_nodes:
         attempt = max(r.attempt for r in records)
         new = create_missing_stages(run, next_nodes, attempt=attempt, now=now, records=records)
-        update_run(run_id, now)
-        enqueue_stage_jobs(kernel.queue, run, new)
-        return HandlerOutput(TransitionRunResult("advanced", max_group + 1))
+        jobs = enqueue_stage_jobs(kernel.queue, run, new, reserve_for=reserve_for)
+        return Advance(
+            TransitionRunResult("advanced", max_group + 1),
+            [],
+            new,
+            jobs[0] if reserve_for and jobs else None,
+        )
 
     total_cost = sum(float((r.metrics or {}).get("total_cost") or 0) for r in records)
     total_tokens = sum(int((r.metrics or {}).get("total_tokens") or 0) for r in records)
     last_group = [r for r in records if r.execution_group == max_group]
-    _, output = group_output(workflow, max_group, load_outputs(kernel.blobs, last_group))
+    known = outputs or {}
+    missing = [r for r in last_group if r.stage_id not in known]
+    loaded = {**load_outputs(kernel.blobs, missing), **known} if missing else known
+    _, output = group_output(workflow, max_group, loaded)
     duration = duration_ms(run.started_at, now)
     update_run(
         run_id,
@@ -104,7 +148,7 @@ def handle(kernel: Kernel, cmd: TransitionRun) -> HandlerOutput:
         total_cost=total_cost,
         total_tokens=total_tokens,
     )
-    return HandlerOutput(
+    return Advance(
         TransitionRunResult("completed"),
         [
             ev.event(

@@ -142,14 +142,7 @@ class Command(BaseCommand):
         except WorkflowError as exc:
             raise CommandError(str(exc)) from None
         run_id = result.workflow_run_id
-        if result.replayed:
-            existing = WorkflowRun.objects.filter(pk=run_id).first()
-            owner = existing.workflow_id if existing else "(deleted)"
-            if owner != opts["workflow_id"]:
-                raise CommandError(
-                    f"--idempotency-key {opts['idempotency_key']!r} was already used by run "
-                    f"{run_id} of workflow {owner}; nothing was created"
-                )
+        if result.replayed:  # the same request again (another one is refused by the kernel)
             self.stdout.write(
                 f"run {run_id} already exists for idempotency key "
                 f"{opts['idempotency_key']!r}; nothing was created"

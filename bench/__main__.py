@@ -1,0 +1,162 @@
+"""The benchmark: ``.venv/bin/python -m bench [--runs N] [--rounds R] [--db postgres|sqlite|both]
+[--quick]``. Writes ``bench/results/<YYYY-MM-DD>.json`` and ``.md`` (``<date>-quick.*`` with
+``--quick``, git-ignored) and prints the markdown.
+
+Per database: interleaved rounds of ours / peers (section 1 is the "ours" side of those
+rounds), then the in-process counts, the idle-cluster latencies and the burst. See
+bench/README.md for what is measured and how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import date, datetime
+from pathlib import Path
+from typing import Any
+
+from . import sections
+from .common import Databases
+from .report import environment, evaluate_targets, render_markdown, summarize_rounds
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=None, help="runs per measurement (300)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (3)")
+    parser.add_argument("--db", choices=["postgres", "sqlite", "both"], default="both")
+    parser.add_argument("--quick", action="store_true", help="smoke check: 30 runs, 1 round")
+    parser.add_argument("--latency-runs", type=int, default=None, help="idle runs (20)")
+    parser.add_argument(
+        "--delivery-wait", type=float, default=None, help="s to wait for event delivery (75)"
+    )
+    parser.add_argument("--pgbench-seconds", type=int, default=None, help="per pgbench run (5)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.runs = args.runs or (30 if quick else 300)
+    args.rounds = args.rounds or (1 if quick else 3)
+    args.latency_runs = args.latency_runs or (5 if quick else 20)
+    args.delivery_wait = (
+        args.delivery_wait if args.delivery_wait is not None else (20.0 if quick else 75.0)
+    )
+    args.pgbench_seconds = args.pgbench_seconds or (2 if quick else 5)
+    return args
+
+
+def guarded(errors: list[str], label: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, or ``{"error": ...}`` (also appended to ``errors``) if it raises."""
+    try:
+        return fn()
+    except Exception as exc:
+        message = f"{label}: {exc!r}"
+        errors.append(message)
+        print(f"[bench] ERROR {message}\n{traceback.format_exc()}", file=sys.stderr)
+        return {"error": repr(exc)}
+
+
+def log(message: str) -> None:
+    print(f"[bench {datetime.now():%H:%M:%S}] {message}", file=sys.stderr, flush=True)
+
+
+def bench_database(
+    dbs: Databases, backend: str, args: argparse.Namespace, errors: list[str]
+) -> dict[str, Any]:
+    """All sections on one database."""
+    n = args.runs
+    rounds: list[dict[str, Any]] = []
+    for r in range(1, args.rounds + 1):
+        entry: dict[str, Any] = {"round": r}
+        peers: list[tuple[str, Callable[[], Any]]] = [
+            ("ours", lambda: sections.ours_throughput(dbs, backend, n)),
+        ]
+        if backend == "postgres":
+            peers += [
+                ("dbos_direct", lambda: sections.dbos(dbs, n, "direct")),
+                ("dbos_queue", lambda: sections.dbos(dbs, n, "queue")),
+            ]
+        peers.append(("django_q2_chain", lambda: sections.django_q2_chain(dbs, backend, n)))
+        if backend == "postgres":
+            peers += [
+                ("pgbench_1", lambda: sections.pgbench(dbs, 1, args.pgbench_seconds)),
+                ("pgbench_4", lambda: sections.pgbench(dbs, 4, args.pgbench_seconds)),
+            ]
+        for name, fn in peers:
+            log(f"{backend} round {r}/{args.rounds}: {name}")
+            entry[name] = guarded(errors, f"{backend} round {r} {name}", fn)
+            if isinstance(entry[name], dict) and entry[name].get("error"):
+                errors.append(f"{backend} round {r} {name}: {entry[name]['error'][:300]}")
+        entry["loadavg_1m"] = round(os.getloadavg()[0], 2)
+        rounds.append(entry)
+    out: dict[str, Any] = {"rounds": rounds, **summarize_rounds(rounds)}
+    log(f"{backend}: in-process counts")
+    out["statements"] = guarded(
+        errors, f"{backend} statements", lambda: sections.in_process(dbs, backend)
+    )
+    log(f"{backend}: idle latency ({args.latency_runs} runs)")
+    out["latency"] = guarded(
+        errors,
+        f"{backend} latency",
+        lambda: sections.idle_latency(
+            dbs, backend, args.latency_runs, pause=0.5, delivery_timeout=args.delivery_wait
+        ),
+    )
+    log(f"{backend}: burst of {n}")
+    out["burst"] = guarded(
+        errors,
+        f"{backend} burst",
+        lambda: sections.burst(dbs, backend, n, delivery_timeout=args.delivery_wait),
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    backends = ["postgres", "sqlite"] if args.db == "both" else [args.db]
+    started = time.time()
+    result: dict[str, Any] = {
+        "date": date.today().isoformat(),
+        "started_at": datetime.now().isoformat(timespec="seconds"),
+        "args": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"
+        },
+        "environment": environment(),
+        "databases": {},
+    }
+    errors: list[str] = []
+    dbs = Databases()
+    try:
+        for backend in backends:
+            result["databases"][backend] = bench_database(dbs, backend, args, errors)
+    finally:
+        drop_errors = dbs.drop_all()
+        errors += [f"cleanup: {e}" for e in drop_errors]
+    result["environment"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    result["seconds"] = round(time.time() - started, 1)
+    primary = "postgres" if "postgres" in result["databases"] else backends[0]
+    ratios = result["databases"][primary].get("ratios", {})
+    result["ratio_vs_dbos"] = ratios.get("vs_dbos_direct", {}).get("median")
+    result["ratio_vs_django_q2"] = ratios.get("vs_django_q2_chain", {}).get("median")
+    result["ratio_database"] = primary
+    result["targets"] = evaluate_targets(result)
+    result["errors"] = errors
+    markdown = render_markdown(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    # --quick results get their own name (never overwrite, never to be committed)
+    stem = args.out / (result["date"] + ("-quick" if args.quick else ""))
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown)
+    print(markdown)
+    log(f"wrote {stem}.json and {stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""The DBOS Transact peer, run in its own process (DBOS is a process-wide singleton):
+
+    python -m bench.dbos_peer --url postgresql://.../dw_bench_dbos_x --runs N --mode direct|queue
+
+The workflow mirrors ``bench-4``: step ``a``, then steps ``b`` and ``c``, then step ``d``, all
+trivial. DBOS runs the steps of one workflow one after another (parallelism comes from running
+workflows concurrently), so each workflow is 4 checkpointed steps.
+
+* ``direct``: 2 threads each call the workflow function directly, ``N/2`` times.
+* ``queue``: ``N`` workflows are enqueued on a durable queue with ``worker_concurrency=2``
+  (polling interval 0.05 s, so polling does not cap the rate), then awaited.
+
+Prints one JSON line: wall seconds, workflows, steps, steps/s and this process's CPU seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+STEPS_PER_WORKFLOW = 4
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--runs", type=int, required=True)
+    parser.add_argument("--mode", choices=["direct", "queue"], required=True)
+    args = parser.parse_args()
+
+    import dbos
+    from dbos import DBOS, DBOSConfig
+
+    logging.getLogger("dbos").setLevel(logging.WARNING)
+    config: DBOSConfig = {
+        "name": "dw-bench",
+        "system_database_url": args.url,
+        "log_level": "WARNING",
+    }
+    DBOS(config=config)
+
+    @DBOS.step()
+    def step_a(n: int) -> int:
+        return n + 1
+
+    @DBOS.step()
+    def step_b(n: int) -> int:
+        return n + 1
+
+    @DBOS.step()
+    def step_c(n: int) -> int:
+        return n + 2
+
+    @DBOS.step()
+    def step_d(b: int, c: int) -> int:
+        return b + c
+
+    @DBOS.workflow()
+    def bench_4(n: int) -> int:
+        a = step_a(n)
+        return step_d(step_b(a), step_c(a))
+
+    DBOS.launch()
+    try:
+        queue = DBOS.register_queue(
+            "dw_bench_queue", worker_concurrency=2, polling_interval_sec=0.05
+        )
+        for i in range(2):  # warm-up (connections, first-call paths), not measured
+            bench_4(-1 - i)
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        if args.mode == "direct":
+            per_thread = [args.runs // 2, args.runs - args.runs // 2]
+            errors: list[BaseException] = []
+
+            def worker(count: int, offset: int) -> None:
+                try:
+                    for i in range(count):
+                        bench_4(offset + i)
+                except BaseException as exc:  # reported below
+                    errors.append(exc)
+
+            threads = [
+                threading.Thread(target=worker, args=(per_thread[k], k * args.runs))
+                for k in range(2)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+        else:
+            handles: list[Any] = [queue.enqueue(bench_4, i) for i in range(args.runs)]
+            for h in handles:
+                h.get_result()
+        seconds = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
+    finally:
+        DBOS.destroy()
+    steps = args.runs * STEPS_PER_WORKFLOW
+    print(
+        json.dumps(
+            {
+                "mode": args.mode,
+                "dbos_version": getattr(dbos, "__version__", None) or _version(),
+                "workflows": args.runs,
+                "steps": steps,
+                "seconds": seconds,
+                "steps_per_s": steps / seconds,
+                "workflows_per_s": args.runs / seconds,
+                "process_cpu_ms_per_step": cpu * 1000 / steps,
+            }
+        )
+    )
+
+
+def _version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dbos")
+    except PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,382 @@
+"""Summaries, targets and the markdown report of a benchmark result."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from .common import PG_ADMIN_URL, median
+
+#: (key in a round, rate field, label) of the peers our stages/s is divided by
+PEERS = (
+    ("dbos_direct", "steps_per_s", "DBOS direct (2 threads), steps/s"),
+    ("dbos_queue", "steps_per_s", "DBOS durable queue (concurrency 2), steps/s"),
+    ("django_q2_chain", "tasks_per_s", "bare django-q2 chain of 4 tasks, tasks/s"),
+    ("pgbench_1", "tps", "pgbench 1-row UPDATE, 1 client, TPS"),
+    ("pgbench_4", "tps", "pgbench 1-row UPDATE, 4 clients, TPS"),
+)
+
+
+def _pkg(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def _postgres_version() -> str | None:
+    try:
+        import psycopg
+
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            row = conn.execute("SHOW server_version").fetchone()
+            return str(row[0]) if row else None
+    except Exception as exc:
+        return f"unavailable ({exc.__class__.__name__})"
+
+
+def environment() -> dict[str, Any]:
+    """Machine and versions."""
+    try:
+        git = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except Exception:
+        git = ""
+    return {
+        "nproc": os.cpu_count(),
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+        "platform": platform.platform(),
+        "git_commit": git or None,
+        "versions": {
+            "python": sys.version.split()[0],
+            "django": _pkg("Django"),
+            "django-q2": _pkg("django-q2"),
+            "django-workflows": _pkg("django-workflows"),
+            "postgresql": _postgres_version(),
+            "sqlite": __import__("sqlite3").sqlite_version,
+            "dbos": _pkg("dbos"),
+            "psutil": _pkg("psutil"),
+        },
+    }
+
+
+def _rate(entry: Any, field: str) -> float | None:
+    if isinstance(entry, dict) and not entry.get("error"):
+        value = entry.get(field)
+        return float(value) if value else None
+    return None
+
+
+def summarize_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Section 1 (the median "ours" round) and section 2's per-round ratios."""
+    ours = [r["ours"] for r in rounds if _rate(r.get("ours"), "stages_per_s")]
+    throughput: dict[str, Any] = {"rounds": len(ours)}
+    if ours:
+        by_rate = sorted(ours, key=lambda o: o["stages_per_s"])
+        throughput.update(
+            {
+                "median_round": by_rate[(len(by_rate) - 1) // 2],
+                "stages_per_s": [o["stages_per_s"] for o in ours],
+                "stages_per_s_median": median([o["stages_per_s"] for o in ours]),
+                "runs_per_s_median": median([o["runs_per_s"] for o in ours]),
+                "cluster_cpu_ms_per_stage_median": median(
+                    [o["cluster_cpu_ms_per_stage"] for o in ours if o["cluster_cpu_ms_per_stage"]]
+                ),
+                "peak_worker_rss_mb_max": max(o["peak_worker_rss_mb"] for o in ours),
+            }
+        )
+    ratios: dict[str, Any] = {}
+    for key, field, label in PEERS:
+        per_round = []
+        for r in rounds:
+            mine, theirs = _rate(r.get("ours"), "stages_per_s"), _rate(r.get(key), field)
+            if mine and theirs:
+                per_round.append(round(mine / theirs, 4))
+        if per_round or any(key in r for r in rounds):
+            ratios[f"vs_{key}"] = {
+                "label": label,
+                "per_round": per_round,
+                "median": median(per_round),
+                "min": min(per_round) if per_round else None,
+                "max": max(per_round) if per_round else None,
+            }
+    return {"throughput": throughput, "ratios": ratios}
+
+
+def _get(d: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(key)
+    return d
+
+
+def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, per database: value, threshold, pass (``None``: not measured)."""
+    targets: list[dict[str, Any]] = []
+
+    def add(db: str, name: str, value: Any, op: str, threshold: float) -> None:
+        ok = None
+        if isinstance(value, int | float):
+            ok = (
+                value >= threshold
+                if op == ">="
+                else value < threshold
+                if op == "<"
+                else (value <= threshold)
+            )
+        targets.append(
+            {
+                "database": db,
+                "target": name,
+                "value": value,
+                "op": op,
+                "threshold": threshold,
+                "pass": ok,
+            }
+        )
+
+    for db, data in result["databases"].items():
+        if db == "postgres":
+            add(
+                db,
+                "stages/s ÷ DBOS direct steps/s (median)",
+                _get(data, "ratios", "vs_dbos_direct", "median"),
+                ">=",
+                1.0,
+            )
+        add(
+            db,
+            "stages/s ÷ django-q2 chain tasks/s (median)",
+            _get(data, "ratios", "vs_django_q2_chain", "median"),
+            ">=",
+            1.0,
+        )
+        add(
+            db,
+            "statements per stage (hot path, in process)",
+            _get(data, "statements", "per_stage_hot_path", "statements"),
+            "<=",
+            12,
+        )
+        add(
+            db,
+            "commits per stage (hot path, in process)",
+            _get(data, "statements", "per_stage_hot_path", "commits"),
+            "<=",
+            3,
+        )
+        add(
+            db,
+            "cluster CPU ms per stage (median round)",
+            _get(data, "throughput", "cluster_cpu_ms_per_stage_median"),
+            "<=",
+            6,
+        )
+        add(
+            db,
+            "create→first stage started p50 ms (idle)",
+            _get(data, "latency", "create_to_first_stage_started", "p50_ms"),
+            "<",
+            100,
+        )
+        add(
+            db,
+            "event delivery p95 ms (idle)",
+            _get(data, "latency", "event_delivery", "p95_ms"),
+            "<",
+            1000,
+        )
+        add(
+            db,
+            "event delivery p95 ms (burst)",
+            _get(data, "burst", "event_delivery", "p95_ms"),
+            "<",
+            1000,
+        )
+        add(db, "burst p50 ÷ burst duration", _get(data, "burst", "p50_over_burst"), "<", 0.5)
+    return targets
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _cell(entry: Any, field: str) -> str:
+    if not isinstance(entry, dict):
+        return "—"
+    if entry.get("error"):
+        return "error"
+    return _fmt(entry.get(field))
+
+
+HOW = """\
+Every measurement gets a fresh database (`dw_bench_*` on PostgreSQL, a new
+file on SQLite), migrated by `manage.py migrate`, and, where a cluster is involved, a real
+`manage.py qcluster` with `Q_WORKERS=2` (ORM broker, the example project's settings) started
+before and stopped (SIGTERM) after. *Ours*: runs of `bench-4` (`a -> [b | c] -> d`, trivial
+bodies) created by `start_run` from a separate `manage.py shell` process as fast as possible;
+stages/s = 4 x completed runs ÷ (last `completed_at` - first create); latencies from the run
+rows' `created_at`/`completed_at`; cluster CPU = user+system of the qcluster process tree
+(psutil, sampled every 0.2 s) over that window ÷ stages; RSS = peak of any cluster child.
+*Peers*, interleaved with ours in each round: DBOS Transact (its own fresh PostgreSQL database;
+the same 4 trivial steps called directly from 2 threads, and enqueued on a durable queue with
+worker concurrency 2), a bare django-q2 chain of 4 trivial tasks per run (each task enqueues
+the next) through the same cluster configuration, and pgbench (`-n -T s -c 1|4`, one-row
+`UPDATE` per transaction, each client its own row). Ratios are ours ÷ peer within a round.
+*Statements/commits* are counted in one process for one warm run (see bench/inprocess.py for
+the method). *Latency* on an idle cluster: runs created one at a time with 0.5 s pauses;
+event delivery = the delivery plugin's wall time - the outbox row's `created_at`.
+*Burst*: all runs created in one transaction.
+"""
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    """The human-readable report."""
+    env = result["environment"]
+    v = env["versions"]
+    lines = [
+        f"# django-workflows benchmark, {result['date']}",
+        "",
+        f"Machine: {env['nproc']} CPUs, {env['platform']}; load average at start "
+        f"{env['loadavg_start']}, at end {env.get('loadavg_end')}. Commit {env['git_commit']}.",
+        f"Versions: Python {v['python']}, Django {v['django']}, django-q2 {v['django-q2']}, "
+        f"PostgreSQL {v['postgresql']}, SQLite {v['sqlite']}, DBOS {v['dbos']}.",
+        f"Arguments: {result['args']}. Took {result.get('seconds')} s.",
+        "",
+        f"**ratio_vs_dbos = {_fmt(result['ratio_vs_dbos'], 3)}**, "
+        f"**ratio_vs_django_q2 = {_fmt(result['ratio_vs_django_q2'], 3)}** "
+        f"(medians of rounds, on {result['ratio_database']}).",
+        "",
+        "## Targets",
+        "",
+    ]
+    for t in result["targets"]:
+        mark = {True: "PASS", False: "FAIL", None: "n/a"}[t["pass"]]
+        lines.append(
+            f"- {mark} [{t['database']}] {t['target']}: {_fmt(t['value'], 2)} "
+            f"(target {t['op']} {t['threshold']})"
+        )
+    for db, data in result["databases"].items():
+        lines += _database_section(db, data)
+    if result["errors"]:
+        lines += ["", "## Errors", ""] + [f"- {e}" for e in result["errors"]]
+    lines += ["", "## How measured", "", HOW]
+    return "\n".join(lines) + "\n"
+
+
+def _database_section(db: str, data: dict[str, Any]) -> list[str]:
+    lines = ["", f"## {db}", "", "### 1. Throughput (ours, per round)", ""]
+    lines += [
+        "| round | runs | stages/s | runs/s | p50 ms | p95 ms | CPU ms/stage | peak RSS MB "
+        "| load |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rounds"]:
+        o = r.get("ours") or {}
+        if o.get("error"):
+            lines.append(f"| {r['round']} | error: {o['error'][:80]} ||||||||")
+            continue
+        lat = o.get("create_to_completed", {})
+        lines.append(
+            f"| {r['round']} | {o.get('completed')}/{o.get('runs')} | {_fmt(o.get('stages_per_s'))}"
+            f" | {_fmt(o.get('runs_per_s'))} | {_fmt(lat.get('p50_ms'), 0)} | "
+            f"{_fmt(lat.get('p95_ms'), 0)} | {_fmt(o.get('cluster_cpu_ms_per_stage'))} | "
+            f"{_fmt(o.get('peak_worker_rss_mb'))} | {_fmt(o.get('loadavg_1m'), 2)} |"
+        )
+    lines += ["", "### 2. Peers (interleaved rounds)", ""]
+    present = [p for p in PEERS if any(p[0] in r for r in data["rounds"])]
+    header = "| round | ours stages/s | " + " | ".join(p[2] for p in present) + " | load |"
+    lines += [header, "|" + "---|" * (len(present) + 3)]
+    for r in data["rounds"]:
+        cells = [_cell(r.get(key), field) for key, field, _ in present]
+        lines.append(
+            f"| {r['round']} | {_cell(r.get('ours'), 'stages_per_s')} | "
+            + " | ".join(cells)
+            + f" | {_fmt(r.get('loadavg_1m'), 2)} |"
+        )
+    lines += ["", "| ours ÷ | per round | median | min-max |", "|---|---|---|---|"]
+    for ratio in data.get("ratios", {}).values():
+        lines.append(
+            f"| {ratio['label']} | {', '.join(f'{x:.3f}' for x in ratio['per_round']) or '—'} "
+            f"| {_fmt(ratio['median'], 3)} | {_fmt(ratio['min'], 3)}-{_fmt(ratio['max'], 3)} |"
+        )
+    for r in data["rounds"]:
+        for key in ("dbos_direct", "dbos_queue"):
+            e = r.get(key)
+            if isinstance(e, dict) and e.get("error"):
+                lines.append(f"\nround {r['round']} {key}: **error** {e['error'][:300]}")
+    st = data.get("statements") or {}
+    lines += ["", "### 3. Statements, commits and CPU per stage (in process, one run)", ""]
+    if st.get("error") or not st:
+        lines.append(f"error: {st.get('error')}")
+    else:
+        hot, whole = st["per_stage_hot_path"], st["per_stage_whole_run"]
+        lines += [
+            "| | statements | commits | CPU ms |",
+            "|---|---|---|---|",
+            f"| per stage, hot path (the {st['jobs']} jobs ÷ 4) | {_fmt(hot['statements'])} | "
+            f"{_fmt(hot['commits'])} | {_fmt(hot['cpu_ms'])} |",
+            f"| per stage, whole run (create + claim + jobs + idle poll ÷ 4) | "
+            f"{_fmt(whole['statements'])} | {_fmt(whole['commits'])} | {_fmt(whole['cpu_ms'])} |",
+            "",
+            "| step | statements | commits (atomic + autocommit writes) | autocommit reads | "
+            "Django captured (incl. BEGIN/COMMIT) | CPU ms |",
+            "|---|---|---|---|---|---|",
+        ]
+        for s in st["steps"]:
+            lines.append(
+                f"| {s['step']} | {s['statements']} | {s['commits']} ({s['atomic_commits']} + "
+                f"{s['autocommit_writes']}) | {s['autocommit_reads']} | {s['captured_queries']} "
+                f"| {_fmt(s['cpu_ms'])} |"
+            )
+    lat = data.get("latency") or {}
+    lines += ["", "### 4. Latency on an idle cluster", ""]
+    if lat.get("error") or not lat:
+        lines.append(f"error: {lat.get('error')}")
+    else:
+        lines += ["| | p50 ms | p95 ms | max ms | n |", "|---|---|---|---|---|"]
+        for key, label in (
+            ("create_to_first_stage_started", "create → first stage started"),
+            ("suspended_due_to_check", "suspended stage due → check ran"),
+            ("suspended_due_to_resumed", "suspended stage due → stage completed"),
+            ("event_delivery", "outbox row written → plugin delivery"),
+        ):
+            m = lat[key]
+            lines.append(
+                f"| {label} | {_fmt(m['p50_ms'], 0)} | {_fmt(m['p95_ms'], 0)} | "
+                f"{_fmt(m['max_ms'], 0)} | {m['count']} |"
+            )
+        ed = lat["event_delivery"]
+        if ed["undelivered_within_wait"]:
+            lines.append(
+                f"\n{ed['undelivered_within_wait']} of {ed['events']} events were not delivered "
+                f"within the {ed['wait_s']} s wait (counted as {ed['wait_s']} s: a lower bound)."
+            )
+        if lat.get("runs_not_completed"):
+            lines.append(f"\n**{lat['runs_not_completed']} latency runs did not complete.**")
+    b = data.get("burst") or {}
+    lines += ["", "### 5. Burst (all runs created in one transaction)", ""]
+    if b.get("error") or not b:
+        lines.append(f"error: {b.get('error')}")
+    else:
+        c2c, ed = b["create_to_completed"], b.get("event_delivery") or {}
+        lines += [
+            f"- {b['completed']}/{b['runs']} runs completed; burst duration (first create → last "
+            f"completion) {_fmt(b['burst_seconds'], 2)} s; stages/s {_fmt(b['stages_per_s'])}",
+            f"- create → completed p50 {_fmt(c2c['p50_ms'], 0)} ms, p95 {_fmt(c2c['p95_ms'], 0)} "
+            f"ms; p50 ÷ burst duration = {_fmt(b['p50_over_burst'], 3)}",
+            f"- event delivery p50 {_fmt(ed.get('p50_ms'), 0)} ms, p95 {_fmt(ed.get('p95_ms'), 0)}"
+            f" ms ({ed.get('undelivered_within_wait')} of {ed.get('events')} undelivered within "
+            f"{ed.get('wait_s')} s)",
+        ]
+    return lines

@@ -1,0 +1,322 @@
+"""The measurements. Each function sets up what it needs (a fresh database, a real cluster),
+measures, tears everything down (also on errors) and returns a JSON-able dict.
+
+``backend`` is ``"postgres"`` or ``"sqlite"``; ``dbs`` is the run's :class:`Databases`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .common import ROOT, Databases, migrate, percentile, project_env, running_cluster, shell_json
+
+STAGES_PER_RUN = 4
+
+
+@contextmanager
+def fresh_project(
+    dbs: Databases, backend: str, kind: str, **extra_env: str
+) -> Iterator[tuple[dict[str, str], Path]]:
+    """A fresh, migrated database and scratch directory; the database is dropped on exit."""
+    url = dbs.new(backend, kind)
+    var_dir = dbs.workdir(kind)
+    env = project_env(url, var_dir, **extra_env)
+    try:
+        migrate(env)
+        yield env, var_dir
+    finally:
+        dbs.drop(url)
+
+
+def _ms(values: list[float]) -> dict[str, float | None]:
+    return {
+        "p50_ms": _round(percentile(values, 50)),
+        "p95_ms": _round(percentile(values, 95)),
+        "max_ms": _round(max(values) if values else None),
+        "count": len(values),
+    }
+
+
+def _round(value: float | None, digits: int = 2) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _run_metrics(data: dict[str, Any]) -> dict[str, Any]:
+    """Rates and latencies from a ``create_and_wait`` result (wall times of one host)."""
+    runs = data["runs"]
+    done = [r for r in runs if r["status"] == "COMPLETED" and r["completed_at"]]
+    latencies = [(r["completed_at"] - r["created_at"]) * 1000 for r in done]
+    last = max((r["completed_at"] for r in done), default=data["t_seen_done"])
+    first_create = min((r["created_at"] for r in runs), default=data["t_start"])
+    seconds = max(last - data["t_start"], 1e-9)
+    return {
+        "runs": len(runs),
+        "completed": len(done),
+        "not_completed": len(runs) - len(done),
+        "timed_out": data["timed_out"],
+        "seconds": round(seconds, 3),
+        "create_seconds": round(data["t_created"] - data["t_start"], 3),
+        "runs_per_s": round(len(done) / seconds, 2),
+        "stages_per_s": round(len(done) * STAGES_PER_RUN / seconds, 2),
+        "create_to_completed": _ms(latencies),
+        "burst_seconds": round(last - first_create, 3),
+    }
+
+
+def ours_throughput(dbs: Databases, backend: str, runs: int) -> dict[str, Any]:
+    """Section 1 (and the "ours" side of section 2): ``runs`` bench-4 runs through a real
+    2-worker cluster on a fresh database, created as fast as possible from a separate process."""
+    with fresh_project(dbs, backend, "ours") as (env, var_dir):
+        with running_cluster(env, var_dir) as cluster:
+            data = shell_json(
+                env, f"from bench.benchapp.drivers import create_and_wait; create_and_wait({runs})"
+            )
+            cluster.wait_sample_after(data["t_seen_done"])
+            out = _run_metrics(data)
+            last = (
+                max((r["completed_at"] or 0 for r in data["runs"]), default=0)
+                or data["t_seen_done"]
+            )
+            cpu = cluster.cpu_between(data["t_start"], last)
+            stages = out["completed"] * STAGES_PER_RUN
+            out["cluster_cpu_ms_per_stage"] = _round(
+                cpu * 1000 / stages if cpu and stages else None
+            )
+            out["peak_worker_rss_mb"] = round(cluster.peak_worker_rss / 2**20, 1)
+    out["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    return out
+
+
+def django_q2_chain(dbs: Databases, backend: str, runs: int) -> dict[str, Any]:
+    """Section 2 peer: ``runs`` chains of 4 trivial django-q2 tasks through the same cluster
+    configuration (2 workers, ORM broker) on a fresh database."""
+    with fresh_project(dbs, backend, "djq") as (env, var_dir):
+        with running_cluster(env, var_dir) as cluster:
+            data = shell_json(
+                env, f"from bench.benchapp.drivers import chain_and_wait; chain_and_wait({runs})"
+            )
+            end = data["t_last_done"] or data["t_seen_done"]
+            cluster.wait_sample_after(end)
+            cpu = cluster.cpu_between(data["t_start"], end)
+    seconds = max(end - data["t_start"], 1e-9)
+    tasks = runs * 4
+    return {
+        "chains": runs,
+        "tasks": tasks,
+        "timed_out": data["timed_out"],
+        "seconds": round(seconds, 3),
+        "tasks_per_s": round(tasks / seconds, 2),
+        "cluster_cpu_ms_per_task": _round(cpu * 1000 / tasks if cpu else None),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+def dbos(dbs: Databases, runs: int, mode: str) -> dict[str, Any]:
+    """Section 2 peer: DBOS Transact (``bench.dbos_peer``) on its own fresh PostgreSQL
+    database; an install or run failure is returned as ``{"error": ...}``, never raised."""
+    try:
+        import dbos as _dbos  # noqa: F401
+    except Exception as exc:
+        return {"mode": mode, "error": f"dbos is not importable: {exc!r} (pip install '.[bench]')"}
+    url = dbs.postgres("dbos")
+    try:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.dbos_peer",
+                "--url",
+                url,
+                *("--runs", str(runs)),
+                "--mode",
+                mode,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        lines = done.stdout.strip().splitlines()
+        if done.returncode != 0 or not lines:
+            return {"mode": mode, "error": f"exit {done.returncode}: {done.stderr[-1500:]}"}
+        out = json.loads(lines[-1])
+        out["steps_per_s"] = round(out["steps_per_s"], 2)
+        out["loadavg_1m"] = round(os.getloadavg()[0], 2)
+        return out
+    except Exception as exc:
+        return {"mode": mode, "error": repr(exc)}
+    finally:
+        dbs.drop(url)
+
+
+PGBENCH_SCRIPT = "UPDATE bench_counter SET v = v + 1 WHERE id = :client_id + 1;\n"
+
+
+def pgbench_binary() -> str | None:
+    """``pgbench`` on PATH, else the newest one under /usr/lib/postgresql/*/bin."""
+    from shutil import which
+
+    found = which("pgbench")
+    if found:
+        return found
+    candidates = sorted(Path("/usr/lib/postgresql").glob("*/bin/pgbench"))
+    return str(candidates[-1]) if candidates else None
+
+
+def pgbench(dbs: Databases, clients: int, seconds: int) -> dict[str, Any]:
+    """Section 2 reference: single-row ``UPDATE`` + ``COMMIT`` (autocommit) per transaction on
+    a tiny table in a fresh database; each client updates its own row (no lock contention)."""
+    binary = pgbench_binary()
+    if binary is None:
+        return {"clients": clients, "error": "pgbench not found"}
+    url = dbs.postgres("pgb")
+    try:
+        import psycopg
+
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("CREATE TABLE bench_counter (id int PRIMARY KEY, v bigint NOT NULL)")
+            conn.execute("INSERT INTO bench_counter SELECT g, 0 FROM generate_series(1, 16) g")
+        script = dbs.workdir("pgbench") / "update.sql"
+        script.write_text(PGBENCH_SCRIPT)
+        done = subprocess.run(
+            [
+                binary,
+                "-n",
+                "-T",
+                str(seconds),
+                "-c",
+                str(clients),
+                "-j",
+                str(min(clients, 2)),
+                "-f",
+                str(script),
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=seconds + 60,
+        )
+        match = re.search(r"tps = ([0-9.]+)", done.stdout)
+        if done.returncode != 0 or not match:
+            return {"clients": clients, "error": f"exit {done.returncode}: {done.stderr[-800:]}"}
+        return {
+            "clients": clients,
+            "seconds": seconds,
+            "tps": round(float(match.group(1)), 1),
+            "loadavg_1m": round(os.getloadavg()[0], 2),
+        }
+    except Exception as exc:
+        return {"clients": clients, "error": repr(exc)}
+    finally:
+        dbs.drop(url)
+
+
+def in_process(dbs: Databases, backend: str) -> dict[str, Any]:
+    """Section 3: ``bench.inprocess.measure`` on a fresh database (no cluster)."""
+    with fresh_project(dbs, backend, "inproc") as (env, _var_dir):
+        out = shell_json(env, "from bench.inprocess import measure; measure()")
+    out.pop("sample_sql", None)
+    return out
+
+
+def idle_latency(
+    dbs: Databases, backend: str, runs: int, *, pause: float, delivery_timeout: float
+) -> dict[str, Any]:
+    """Section 4 on an idle cluster with the delivery-recording plugin: create→first stage
+    started, suspended stage due→checked/resumed, outbox event→plugin delivery."""
+    suspend_runs = max(3, runs // 4)
+    plugin = "bench.benchapp.plugins.delivery_recorder"
+    with fresh_project(dbs, backend, "lat", WORKFLOWS_PLUGINS=plugin) as (env, var_dir):
+        with running_cluster(env, var_dir):
+            data = shell_json(
+                env,
+                "from bench.benchapp.drivers import idle_latency; "
+                f"idle_latency({runs}, pause={pause}, delivery_timeout={delivery_timeout}, "
+                f"suspend_runs={suspend_runs})",
+                timeout=600 + delivery_timeout,
+            )
+    first = [
+        (r["first_stage_started_at"] - r["created_at"]) * 1000
+        for r in data["runs"]
+        if r["first_stage_started_at"] is not None
+    ]
+    # suspended stage: due (next_poll_at of its stage:suspended event) -> check ran -> resumed
+    due: dict[str, float] = {}
+    for ev in data["outbox"]:
+        if ev["type"] == "stage:suspended" and ev["run"] not in due:
+            value = (ev["payload"] or {}).get("next_poll_at")
+            if value:
+                from datetime import datetime
+
+                due[ev["run"]] = datetime.fromisoformat(value).timestamp()
+    checks: dict[str, float] = {}
+    for c in data["checks"]:
+        checks.setdefault(c["run"], c["checked_at"])
+    due_to_check = [(checks[r] - due[r]) * 1000 for r in due if r in checks]
+    completed = data["suspend_stage_completed"]
+    due_to_resumed = [(completed[r] - due[r]) * 1000 for r in due if completed.get(r)]
+    failed = [r for r in data["runs"] + data["suspend_runs"] if r["status"] != "COMPLETED"]
+    return {
+        "runs": runs,
+        "pause_s": pause,
+        "create_to_first_stage_started": _ms(first),
+        "suspend_runs": suspend_runs,
+        "suspended_due_to_check": _ms(due_to_check),
+        "suspended_due_to_resumed": _ms(due_to_resumed),
+        "event_delivery": delivery_stats(data, delivery_timeout),
+        "runs_not_completed": len(failed),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+def delivery_stats(data: dict[str, Any], wait_s: float) -> dict[str, Any]:
+    """Outbox row written (``created_at``, the kernel clock in the writing transaction) →
+    the plugin called (wall time recorded in the plugin), per event, first delivery only.
+    An event not delivered within the wait counts as delivered at ``wait_s`` (a floor, so the
+    percentiles are lower bounds when ``undelivered_within_wait`` > 0)."""
+    by_id = {ev["event_id"]: ev for ev in data["outbox"]}
+    by_seq = {(ev["run"], ev["sequence"]): ev for ev in data["outbox"]}
+    delivered: dict[int, float] = {}
+    for d in data["deliveries"]:
+        ev = by_id.get(d.get("event_id")) or by_seq.get((d["run"], d["sequence"]))
+        if ev is not None and ev["event_id"] not in delivered:
+            delivered[ev["event_id"]] = (d["delivered_at"] - ev["created_at"]) * 1000
+    undelivered = len(data["outbox"]) - len(delivered)
+    delays = list(delivered.values()) + [wait_s * 1000] * undelivered
+    return {
+        **_ms(delays),
+        "events": len(data["outbox"]),
+        "undelivered_within_wait": undelivered,
+        "wait_s": wait_s,
+    }
+
+
+def burst(dbs: Databases, backend: str, runs: int, *, delivery_timeout: float) -> dict[str, Any]:
+    """Section 5: ``runs`` bench-4 runs created in one transaction (visible at once), with the
+    delivery plugin (event delivery under a burst)."""
+    plugin = "bench.benchapp.plugins.delivery_recorder"
+    with fresh_project(dbs, backend, "burst", WORKFLOWS_PLUGINS=plugin) as (env, var_dir):
+        with running_cluster(env, var_dir):
+            data = shell_json(
+                env,
+                "from bench.benchapp.drivers import create_and_wait; "
+                f"create_and_wait({runs}, one_transaction=True, "
+                f"delivery_timeout={delivery_timeout})",
+                timeout=600 + delivery_timeout,
+            )
+    out = _run_metrics(data)
+    out["event_delivery"] = delivery_stats(data, delivery_timeout)
+    p50 = out["create_to_completed"]["p50_ms"]
+    out["p50_over_burst"] = (
+        round(p50 / (out["burst_seconds"] * 1000), 3) if p50 and out["burst_seconds"] else None
+    )
+    out["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    return out

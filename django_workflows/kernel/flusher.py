@@ -1,0 +1,134 @@
+"""Prompt outbox delivery (EV-4..7).
+
+Events must reach plugins within about a second of their commit, whether or not runs are live
+and however many wake-ups are queued. Two things deliver them:
+
+* :func:`flush_outbox` publishes while holding the ``outbox-flush`` lease, so two processes
+  never deliver the same event at once; the maintenance tick calls it.
+* In worker processes (:func:`enable`), every commit that appended events wakes a
+  background :class:`Flusher` thread, which flushes until nothing is left. A flusher that
+  finds the lease held retries shortly, so an event committed while another process was
+  finishing its flush is not left for the next tick.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from django.db import close_old_connections, connection
+
+from ..models import OutboxEvent
+from . import leases
+from .commands import FlushOutbox
+
+if TYPE_CHECKING:
+    from .dispatch import Kernel
+
+logger = logging.getLogger("django_workflows.outbox")
+
+FLUSH_LEASE = "outbox-flush"
+#: TTL of the flush lease; a flusher that dies holding it blocks others at most this long.
+FLUSH_LEASE_SECONDS = 30.0
+#: Events published per pass while the flusher holds the lease.
+FLUSH_BATCH = 500
+#: How long the flusher waits after a wake-up, so one pass covers a burst of commits.
+COALESCE_SECONDS = 0.02
+#: How often a flusher retries while another holds the lease and events are waiting.
+RETRY_SECONDS = 0.2
+
+
+def flush_outbox(kernel: Kernel, owner: str, *, max_events: int = FLUSH_BATCH) -> int | None:
+    """Publish up to ``max_events`` events under the ``outbox-flush`` lease; returns how many
+    were published, or ``None`` when another process holds the lease.
+    """
+    if not leases.acquire_lease(kernel.lease_clock, FLUSH_LEASE, owner, FLUSH_LEASE_SECONDS):
+        return None
+    try:
+        return int(kernel.dispatch(FlushOutbox(max_events=max_events)).published)
+    finally:
+        leases.release_lease(FLUSH_LEASE, owner)
+
+
+class Flusher:
+    """A daemon thread of a worker process that flushes the outbox after commits."""
+
+    def __init__(self) -> None:
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.owner = f"flusher-{os.getpid()}-{id(self):x}"
+
+    def notify(self) -> None:
+        """Ask for a flush soon (cheap; called after every commit that appended events)."""
+        if self._thread is None or not self._thread.is_alive():
+            with self._lock:
+                if self._thread is None or not self._thread.is_alive():
+                    self._thread = threading.Thread(
+                        target=self._loop, name="outbox-flusher", daemon=True
+                    )
+                    self._thread.start()
+        self._wake.set()
+
+    def _loop(self) -> None:
+        from .runtime import get_kernel
+
+        while True:
+            self._wake.wait()
+            time.sleep(COALESCE_SECONDS)
+            self._wake.clear()
+            try:
+                close_old_connections()
+                self._flush_all(get_kernel())
+            except Exception:
+                logger.exception("Outbox flush failed; the maintenance tick will retry")
+                connection.close()
+
+    def _flush_all(self, kernel: Kernel) -> None:
+        busy_passes = 0
+        while True:
+            published = flush_outbox(kernel, self.owner)
+            if published is None:
+                # Another process holds the lease: it may finish its last pass before our
+                # events committed, so look again shortly (the tick is the backstop).
+                busy_passes += 1
+                if busy_passes > MAX_BUSY_PASSES or not _unpublished_waiting():
+                    return
+                if self._wake.wait(RETRY_SECONDS):
+                    self._wake.clear()
+                continue
+            if published < FLUSH_BATCH:
+                return
+
+
+#: Retries of a flusher that finds the lease held (``RETRY_SECONDS`` apart) before it leaves
+#: the rest to the next wake-up or tick.
+MAX_BUSY_PASSES = 25
+
+
+def _unpublished_waiting() -> bool:
+    return OutboxEvent.objects.filter(published_at__isnull=True, dlq_at__isnull=True).exists()
+
+
+_flusher: Flusher | None = None
+
+
+def enable() -> None:
+    """Flush after commits in this process (worker processes call this)."""
+    global _flusher
+    if _flusher is None:
+        _flusher = Flusher()
+
+
+def disable() -> None:
+    global _flusher
+    _flusher = None
+
+
+def events_committed() -> None:
+    """``transaction.on_commit`` hook of every append: wake this process's flusher, if any."""
+    if _flusher is not None:
+        _flusher.notify()

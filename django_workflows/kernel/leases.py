@@ -1,0 +1,101 @@
+"""Lease time and named leases.
+
+Leases must not depend on hosts agreeing on the time (a worker whose clock runs 90 s ahead
+must not make a live worker's job look stale). Every lease is therefore stamped and judged
+with the **database's** clock: :class:`LeaseClock` hands out ``Now()`` expressions, which the
+database evaluates (PostgreSQL ``CURRENT_TIMESTAMP``, SQLite ``'now'``). A test clock that
+declares ``drives_leases = True`` (:class:`~django_workflows.testing.FakeClock`) is used
+instead, so tests can move lease time by hand.
+
+Named leases (``workflow_maintenance_leases``) keep maintenance ticks, the ticker and the
+outbox flusher from overlapping (Part I item 18).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.db.models.functions import Now
+
+from ..models import MaintenanceLease
+from ..ports import Clock
+
+#: A moment in lease time: a datetime (test clocks) or a database expression (``Now()``).
+LeaseTime = Any
+
+
+class LeaseClock:
+    """Lease time for a kernel clock: the database's clock unless ``clock.drives_leases``."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    @property
+    def uses_database(self) -> bool:
+        return not getattr(self.clock, "drives_leases", False)
+
+    def now(self) -> LeaseTime:
+        """Now, in lease time (an expression evaluated by the database, or a datetime)."""
+        return Now() if self.uses_database else self.clock.now()
+
+    def offset(self, seconds: float) -> LeaseTime:
+        """``now + seconds`` in lease time (negative ``seconds``: in the past)."""
+        return self.now() + timedelta(seconds=seconds)
+
+    def read(self) -> datetime:
+        """The current lease time as a value (one query when the database's clock is used)."""
+        if not self.uses_database:
+            return self.clock.now()
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT CURRENT_TIMESTAMP")
+            value = cursor.fetchone()[0]
+        if isinstance(value, str):  # SQLite: 'YYYY-MM-DD HH:MM:SS', UTC
+            from datetime import UTC
+
+            value = datetime.fromisoformat(value).replace(tzinfo=UTC)
+        return value
+
+
+def acquire_lease(lease_clock: LeaseClock, name: str, owner: str, ttl_seconds: float) -> bool:
+    """Take (or renew) the named lease for ``ttl_seconds``; ``False`` if another owner holds an
+    unexpired one. Expiry is judged in lease time (the database's clock).
+    """
+    expires = lease_clock.offset(ttl_seconds)
+    if (
+        MaintenanceLease.objects.filter(name=name)
+        .filter(Q(expires_at__lte=lease_clock.now()) | Q(owner=owner))
+        .update(owner=owner, expires_at=expires)
+    ):
+        return True
+    try:
+        with transaction.atomic():
+            MaintenanceLease.objects.create(name=name, owner=owner, expires_at=expires)
+    except IntegrityError:
+        return False
+    return True
+
+
+def renew_lease(lease_clock: LeaseClock, name: str, owner: str, ttl_seconds: float) -> bool:
+    """Extend a lease that ``owner`` still holds to ``now + ttl_seconds``; ``False`` if it is
+    no longer theirs (it expired and another owner took it, or it was released).
+    """
+    return bool(
+        MaintenanceLease.objects.filter(name=name, owner=owner).update(
+            expires_at=lease_clock.offset(ttl_seconds)
+        )
+    )
+
+
+def release_lease(name: str, owner: str) -> None:
+    """Give the named lease up (a no-op if ``owner`` no longer holds it)."""
+    MaintenanceLease.objects.filter(name=name, owner=owner).delete()
+
+
+def lease_is_free(lease_clock: LeaseClock, name: str) -> bool:
+    """Whether nobody holds an unexpired lease ``name``."""
+    return not MaintenanceLease.objects.filter(name=name, expires_at__gt=lease_clock.now()).exists()
