@@ -88,7 +88,8 @@ def test_skewed_clock_cluster_executes_each_stage_once(
     runs = settle_runs(env, run_ids, timeout=50)
 
     # Which cluster ran each execution (its workers are in the cluster's process group).
-    groups = {right.proc.pid: "right", ahead.proc.pid: "ahead"}  # type: ignore[union-attr]
+    assert right.proc is not None and ahead.proc is not None
+    groups = {right.proc.pid: "right", ahead.proc.pid: "ahead"}
     done = executions(crash_dir)
     by_cluster = Counter(groups.get(_group_of(e["pid"]) or -1, "?") for e in done)
     statuses = Counter(r["status"] for r in runs.values())
