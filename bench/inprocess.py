@@ -86,13 +86,15 @@ class Counter:
 
 
 def drive_one_run(step: Callable[[str, Callable[[], Any]], None]) -> dict[str, Any]:
-    """Drive one ``bench-4`` run through the kernel in process: CreateRun, ClaimPendingRuns,
-    then one ``process_available_jobs(max_jobs=1)`` per job until none is left.
+    """Drive one ``bench-4`` run through the kernel in process, as one worker does: CreateRun,
+    then one ``process_available_jobs`` call that claims the run, delivers its four stages
+    (continuing the run from each outcome transaction) and ends with the empty lease an idle
+    worker makes.
 
-    ``step(name, fn)`` runs ``fn`` as one measured step named ``name`` ("create", "claim",
-    "job-1", ...). Kernel-API dependent: adapt here after a kernel rewrite.
+    ``step(name, fn)`` runs ``fn`` as one measured step named ``name`` ("create", "work").
+    Kernel-API dependent: adapt here after a kernel rewrite.
     """
-    from django_workflows.kernel import ClaimPendingRuns, CreateRun
+    from django_workflows.kernel import CreateRun
     from django_workflows.kernel.hosting import process_available_jobs
     from django_workflows.models import WorkflowRun
     from django_workflows.testing import make_kernel
@@ -105,25 +107,17 @@ def drive_one_run(step: Callable[[str, Callable[[], Any]], None]) -> dict[str, A
     def create() -> None:
         box["run_id"] = kernel.dispatch(CreateRun("bench-4", {"n": 1})).workflow_run_id
 
+    def work() -> None:
+        box["jobs"] = process_available_jobs(kernel, "bench-worker", max_jobs=20).processed
+
     step("create", create)
-    step("claim", lambda: kernel.dispatch(ClaimPendingRuns("bench-worker")))
-    jobs = 0
-    while True:
-        done: dict[str, int] = {}
-
-        def one_job(done: dict[str, int] = done) -> None:
-            done["n"] = process_available_jobs(kernel, "bench-worker", max_jobs=1).processed
-
-        if jobs >= 20:
-            raise RuntimeError("more than 20 jobs for a 4-stage run: the driver is broken")
-        step(f"job-{jobs + 1}", one_job)
-        if not done["n"]:
-            break
-        jobs += 1
+    step("work", work)
     run = WorkflowRun.objects.get(pk=box["run_id"])
-    if run.status != "COMPLETED":
-        raise RuntimeError(f"in-process run ended {run.status}, expected COMPLETED")
-    return {"jobs": jobs}
+    if run.status != "COMPLETED" or box["jobs"] != 4:
+        raise RuntimeError(
+            f"in-process run ended {run.status} after {box['jobs']} jobs; expected COMPLETED, 4"
+        )
+    return {"jobs": box["jobs"]}
 
 
 def measure() -> None:
@@ -171,9 +165,8 @@ def measure() -> None:
             info = drive_one_run(step)
     finally:
         connection.commit = original_commit  # type: ignore[method-assign]
-    job_steps = [s for s in steps if s["step"].startswith("job-")]
-    # the last job step found nothing to do: it is the poll an idle worker makes, not a stage
-    stage_steps = job_steps[: info["jobs"]]
+    # the worker's step: claim, four stages and the empty lease that ends its loop
+    stage_steps = [s for s in steps if s["step"] == "work"]
     stages = 4
     total = {k: sum(s[k] for s in steps) for k in ("statements", "commits", "cpu_ms")}
     hot = {k: sum(s[k] for s in stage_steps) for k in ("statements", "commits", "cpu_ms")}

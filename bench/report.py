@@ -324,9 +324,9 @@ def _database_section(db: str, data: dict[str, Any]) -> list[str]:
         lines += [
             "| | statements | commits | CPU ms |",
             "|---|---|---|---|",
-            f"| per stage, hot path (the {st['jobs']} jobs ÷ 4) | {_fmt(hot['statements'])} | "
-            f"{_fmt(hot['commits'])} | {_fmt(hot['cpu_ms'])} |",
-            f"| per stage, whole run (create + claim + jobs + idle poll ÷ 4) | "
+            f"| per stage, worker path (claim + {st['jobs']} stages + idle lease ÷ 4) | "
+            f"{_fmt(hot['statements'])} | {_fmt(hot['commits'])} | {_fmt(hot['cpu_ms'])} |",
+            f"| per stage, whole run (create + worker path ÷ 4) | "
             f"{_fmt(whole['statements'])} | {_fmt(whole['commits'])} | {_fmt(whole['cpu_ms'])} |",
             "",
             "| step | statements | commits (atomic + autocommit writes) | autocommit reads | "

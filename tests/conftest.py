@@ -15,6 +15,16 @@ from django_workflows.transport.inline import RecordingTransport
 
 
 @pytest.fixture(autouse=True)
+def _no_flusher_left_behind() -> Any:
+    """A test that ran a django-q2 task in process enabled the outbox flusher thread: stop it,
+    so it cannot publish the events of later tests."""
+    yield
+    from django_workflows.kernel import flusher
+
+    flusher.disable()
+
+
+@pytest.fixture(autouse=True)
 def _test_settings(settings: Any) -> None:
     settings.DJANGO_WORKFLOWS = {
         "TRANSPORT": "django_workflows.transport.inline.NullTransport",

@@ -300,7 +300,8 @@ def commit_outcome(
                     f"Workflow run {d.run.pk} was {status} after stage execution; "
                     "the result was discarded (expected RUNNING)"
                 )
-                kernel.queue.fail(job.pk, error, attempt=job.attempt, max_attempts=job.attempt)
+                if kernel.queue.fail(job.pk, error, attempt=job.attempt) is None:
+                    raise _Discard()  # not ours any more either: a stale delivery
                 return Outcome("ghost", error=error)
             now = kernel.clock.now()
             result = _settle_job(kernel, job, outcome)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from typing import TYPE_CHECKING
 
 from django.db import close_old_connections, connection
@@ -54,9 +53,11 @@ def flush_outbox(kernel: Kernel, owner: str, *, max_events: int = FLUSH_BATCH) -
 
 
 class Flusher:
-    """A daemon thread of a worker process that flushes the outbox after commits."""
+    """A daemon thread of a worker process that flushes ``kernel``'s outbox after commits."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
+        self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -73,19 +74,25 @@ class Flusher:
                     self._thread.start()
         self._wake.set()
 
-    def _loop(self) -> None:
-        from .runtime import get_kernel
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
 
-        while True:
-            self._wake.wait()
-            time.sleep(COALESCE_SECONDS)
-            self._wake.clear()
-            try:
-                close_old_connections()
-                self._flush_all(get_kernel())
-            except Exception:
-                logger.exception("Outbox flush failed; the maintenance tick will retry")
-                connection.close()
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._wake.wait()
+                if self._stop.wait(COALESCE_SECONDS):
+                    return
+                self._wake.clear()
+                try:
+                    close_old_connections()
+                    self._flush_all(self.kernel)
+                except Exception:
+                    logger.exception("Outbox flush failed; the maintenance tick will retry")
+                    connection.close()
+        finally:
+            connection.close()
 
     def _flush_all(self, kernel: Kernel) -> None:
         busy_passes = 0
@@ -116,15 +123,21 @@ def _unpublished_waiting() -> bool:
 _flusher: Flusher | None = None
 
 
-def enable() -> None:
-    """Flush after commits in this process (worker processes call this)."""
+def enable(kernel: Kernel) -> None:
+    """Flush ``kernel``'s outbox after commits in this process (worker processes call this;
+    a second call with another kernel replaces the first).
+    """
     global _flusher
-    if _flusher is None:
-        _flusher = Flusher()
+    if _flusher is None or _flusher.kernel is not kernel:
+        disable()
+        _flusher = Flusher(kernel)
 
 
 def disable() -> None:
+    """Stop flushing after commits in this process (its thread ends)."""
     global _flusher
+    if _flusher is not None:
+        _flusher.stop()
     _flusher = None
 
 

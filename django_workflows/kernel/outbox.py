@@ -43,7 +43,11 @@ def _reserve_sequences(run_id: Any, count: int, now: datetime) -> int:
         cursor.execute(_BUMP_SQL, params)
         row = cursor.fetchone()
     if row is None:
-        # The run row is gone (deleted by an operator): continue after the outbox's last row.
+        # No run row (deleted by an operator, or events of a run this database does not hold):
+        # continue after the outbox's last row, serialised per run by an advisory lock.
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [str(run_id)])
         last = (
             OutboxEvent.objects.filter(workflow_run_id=run_id)
             .order_by("-sequence")

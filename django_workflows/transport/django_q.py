@@ -71,8 +71,8 @@ def work(claim: bool = False) -> dict[str, Any]:
     ``claim`` is kept for wake-ups queued by older versions; claiming is always on demand.
     """
     close_old_connections()
-    flusher.enable()
     kernel = get_kernel()
+    flusher.enable(kernel)
     limit = int(workflow_settings.JOBS_PER_WAKEUP)
     result = process_available_jobs(kernel, worker_id(), max_jobs=limit)
     if result.processed >= limit:
@@ -96,7 +96,6 @@ def ticker(run_seconds: float | None = None) -> dict[str, Any]:
     ticker runs; if it was lost to another ticker, this one stops.
     """
     close_old_connections()
-    flusher.enable()
     kernel = get_kernel()
     owner = worker_id() + "-ticker"
     duration = float(

@@ -34,9 +34,11 @@ from django_workflows.kernel import (
     ClaimPendingRuns,
     CreateRun,
     Kernel,
+    delivery,
+    hosting,
 )
 from django_workflows.kernel import events as ev
-from django_workflows.kernel.handlers import job_execute, run_cancel
+from django_workflows.kernel.handlers import run_cancel
 from django_workflows.kernel.hosting import execute_job, process_available_jobs
 from django_workflows.models import (
     OutboxEvent,
@@ -116,7 +118,7 @@ def test_cancel_committing_while_annotated_stage_completes(
     """
     pids: dict[str, int] = {}
     cancel_locked, in_phase3, worker_locked, cancel_ready = (threading.Event() for _ in range(4))
-    real_require = job_execute.require_running
+    real_require = run_cancel.lock_run
     real_lock = run_cancel.lock_run
     calls = {"guard": 0}
 
@@ -140,7 +142,9 @@ def test_cancel_committing_while_annotated_stage_completes(
             _wait_until_blocked_by_me(pids["worker"])
         return run
 
-    monkeypatch.setattr(job_execute, "require_running", require_running)
+    # the stage path's RUNNING guards: before the stage starts, then in the outcome transaction
+    monkeypatch.setattr(hosting, "lock_run", require_running)
+    monkeypatch.setattr(delivery, "lock_run", require_running)
     monkeypatch.setattr(run_cancel, "lock_run", lock_run)
 
     def body(ctx: StageContext[Any, Any]) -> dict[str, int]:
@@ -150,7 +154,11 @@ def test_cancel_committing_while_annotated_stage_completes(
         ctx.progress(50, "half")
         return {"done": 1}
 
-    wf = define_workflow(id="race-ann").pipe(define_stage(id="s", execute=body)).build()
+    # A second stage keeps the run RUNNING after the first one's outcome (the outcome and the
+    # transition commit together), so the cancel that waited still has a run to cancel.
+    after = define_stage(id="after", execute=lambda ctx: {"ok": 1})
+    wf = define_workflow(id="race-ann").pipe(define_stage(id="s", execute=body)).pipe(after)
+    wf = wf.build()
     kernel = kernel_for(wf)
     run_id = kernel.dispatch(
         CreateRun(workflow_id="race-ann", annotations=(AnnotationSpec({"trigger.source": "t"}),))
@@ -182,12 +190,12 @@ def test_cancel_committing_while_annotated_stage_completes(
     stage_rows = WorkflowAnnotation.objects.filter(run_id=run_id, scope="stage")
     assert WorkflowAnnotation.objects.filter(run_id=run_id, scope="run").count() == 1
     if winner == "cancel":
-        assert outcome == "failed"
+        assert outcome == "ghost"
         assert stage_rows.count() == 0
         for absent in (ev.ANNOTATION_CREATED, ev.STAGE_COMPLETED, ev.STAGE_PROGRESS):
             assert absent not in types, types
         assert not WorkflowBlob.objects.filter(run_id=run_id).exists()
-        assert WorkflowStage.objects.get(run_id=run_id).status == Status.CANCELLED
+        assert WorkflowStage.objects.get(run_id=run_id, stage_id="s").status == Status.CANCELLED
         assert types[-1] == ev.WORKFLOW_CANCELLED
     else:
         assert outcome == "completed"

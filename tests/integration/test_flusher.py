@@ -1,0 +1,57 @@
+"""Prompt outbox delivery (issue 7): a worker process's flusher thread publishes events right
+after the commit that appended them, and two flushers never deliver the same event."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from django_workflows.kernel import CreateRun, flusher, leases
+from django_workflows.models import OutboxEvent
+from django_workflows.testing import CollectingSink, make_kernel
+from tests.workflows import two_stage
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class SignallingSink(CollectingSink):
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived = threading.Event()
+
+    def emit(self, event: dict[str, Any]) -> None:
+        super().emit(event)
+        self.arrived.set()
+
+
+def test_events_are_delivered_within_a_second_of_their_commit() -> None:
+    """No tick runs: the commit itself wakes the flusher."""
+    sink = SignallingSink()
+    kernel = make_kernel(two_stage(), event_sink=sink)
+    flusher.enable(kernel)
+    committed = time.monotonic()
+    run_id = kernel.dispatch(CreateRun("two-stage", {"value": 1})).workflow_run_id
+    assert sink.arrived.wait(5), "the flusher did not deliver the event"
+    assert time.monotonic() - committed < 1.0
+    assert sink.types(run_id) == ["workflow:created"]
+    deadline = time.monotonic() + 5
+    while OutboxEvent.objects.filter(published_at=None).exists():
+        assert time.monotonic() < deadline, "the event was not marked published"
+        time.sleep(0.01)
+
+
+def test_a_flusher_that_finds_the_lease_held_leaves_the_events_to_the_holder() -> None:
+    """Only the holder of the ``outbox-flush`` lease delivers (no double delivery)."""
+    sink = CollectingSink()
+    kernel = make_kernel(two_stage(), event_sink=sink)
+    kernel.dispatch(CreateRun("two-stage", {"value": 1}))
+    assert leases.acquire_lease(kernel.lease_clock, flusher.FLUSH_LEASE, "other", 30)
+
+    assert flusher.flush_outbox(kernel, "me") is None
+    assert sink.events == []
+    leases.release_lease(flusher.FLUSH_LEASE, "other")
+    assert flusher.flush_outbox(kernel, "me") == 1
+    assert [e["type"] for e in sink.events] == ["workflow:created"]

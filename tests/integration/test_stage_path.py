@@ -1,0 +1,360 @@
+"""The stage path of issue 7 (:mod:`django_workflows.kernel.delivery`), driven step by step in
+process: fencing of stale deliveries, one-transaction outcomes, a crash at every commit
+boundary, old generations after a rerun, the reaper advancing finished work, and the pinned
+statement and commit counts per stage.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+from django.db import connection, connections
+from django.test.utils import CaptureQueriesContext
+from pydantic import BaseModel
+
+from django_workflows import StageContext, define_stage, define_workflow
+from django_workflows.kernel import (
+    ClaimPendingRuns,
+    CreateRun,
+    ReapStaleLeases,
+    ReapStuckRuns,
+    RerunFrom,
+    delivery,
+    faults,
+)
+from django_workflows.kernel.hosting import process_available_jobs, run_maintenance_tick
+from django_workflows.models import (
+    OutboxEvent,
+    Status,
+    WorkflowBlob,
+    WorkflowJob,
+    WorkflowLog,
+    WorkflowRun,
+    WorkflowStage,
+)
+from django_workflows.testing import FakeClock
+from tests.workflows import Num, add
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+STALE = 300.0
+
+
+def _events(run_id: Any, event_type: str | None = None) -> list[OutboxEvent]:
+    qs = OutboxEvent.objects.filter(workflow_run_id=run_id).order_by("sequence")
+    return list(qs.filter(event_type=event_type) if event_type else qs)
+
+
+def _assert_gap_free(run_id: Any) -> None:
+    sequences = [e.sequence for e in _events(run_id)]
+    assert sequences == list(range(1, len(sequences) + 1))
+    assert WorkflowRun.objects.get(pk=run_id).event_sequence == len(sequences)
+
+
+def _completed_once(run_id: Any) -> Counter[str]:
+    return Counter(e.payload["stage_id"] for e in _events(run_id, "stage:completed"))
+
+
+def _counting_stage(stage_id: str, outputs: list[int], *, fail_on: set[int] = frozenset()) -> Any:
+    """A stage whose n-th delivery returns ``input + outputs[n]`` (or raises if n in fail_on)."""
+    calls = {"n": 0}
+
+    def execute(ctx: StageContext[Num, Any]) -> Num:
+        n = calls["n"]
+        calls["n"] += 1
+        if n in fail_on:
+            raise RuntimeError(f"late failure of delivery {n + 1}")
+        return Num(value=ctx.input.value + outputs[n])
+
+    return define_stage(id=stage_id, input=Num, output=Num, execute=execute)
+
+
+def _start(kernel: Any, workflow_id: str, value: int = 0) -> str:
+    run_id = kernel.dispatch(CreateRun(workflow_id, {"value": value})).workflow_run_id
+    kernel.dispatch(ClaimPendingRuns("claimer"))
+    return str(run_id)
+
+
+def _take_over(kernel: Any, clock: FakeClock) -> None:
+    """Let every RUNNING job's lease expire and release it for re-delivery."""
+    clock.advance(STALE + 1)
+    assert kernel.dispatch(ReapStaleLeases(stale_threshold_seconds=STALE)).released >= 1
+
+
+# --- Fencing ----------------------------------------------------------------------------------
+
+
+def test_late_success_of_a_delivery_whose_lease_was_taken_over_is_discarded(
+    kernel_for: Any, clock: FakeClock
+) -> None:
+    """A worker paused past its lease finishes after a second delivery committed: its result
+    changes no record, output or event (one ``stage:completed``, the second delivery's
+    output, which the next stage read), and a WARN log line says it was discarded."""
+    wf = (
+        define_workflow(id="fenced", input=Num)
+        .pipe(_counting_stage("s", [100, 200]))
+        .pipe(add(1, stage_id="next"))
+        .build()
+    )
+    kernel = kernel_for(wf)
+    run_id = _start(kernel, "fenced")
+    first = delivery.lease(kernel, "paused-worker")
+    assert first is not None and first.job.attempt == 1
+    outcome_1, services_1 = delivery.execute(kernel, first)  # done, but "paused" before commit
+
+    _take_over(kernel, clock)
+    assert process_available_jobs(kernel, "live-worker", max_jobs=10).processed == 2
+
+    late = delivery.commit_outcome(kernel, first, outcome_1, services_1, "paused-worker")
+
+    assert late.outcome == "discarded" and late.next is None
+    run = WorkflowRun.objects.get(pk=run_id)
+    assert (run.status, run.output) == (Status.COMPLETED, {"value": 201})
+    assert _completed_once(run_id) == {"s": 1, "next": 1}
+    blob = WorkflowBlob.objects.get(key__endswith="/s/output.json")
+    assert blob.data == {"value": 200}
+    assert WorkflowJob.objects.get(workflow_run_id=run_id, stage_id="s").attempt == 2
+    assert WorkflowLog.objects.filter(level="WARN", message__contains="discarded").count() == 1
+    _assert_gap_free(run_id)
+
+
+def test_late_failure_of_a_taken_over_delivery_does_not_fail_the_stage_or_run(
+    kernel_for: Any, clock: FakeClock
+) -> None:
+    """The same with a late *failure*: the completed stage stays COMPLETED, the run is not
+    failed, and no ``stage:failed`` or ``workflow:failed`` event is written."""
+    wf = (
+        define_workflow(id="fenced-fail", input=Num)
+        .pipe(_counting_stage("s", [0, 5], fail_on={0}))
+        .build()
+    )
+    kernel = kernel_for(wf)
+    run_id = _start(kernel, "fenced-fail")
+    first = delivery.lease(kernel, "paused-worker")
+    assert first is not None
+    outcome_1, services_1 = delivery.execute(kernel, first)
+    assert outcome_1.error is not None
+
+    _take_over(kernel, clock)
+    process_available_jobs(kernel, "live-worker", max_jobs=10)
+    late = delivery.commit_outcome(kernel, first, outcome_1, services_1, None)
+
+    assert late.outcome == "discarded"
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED
+    assert WorkflowStage.objects.get(run_id=run_id, stage_id="s").status == Status.COMPLETED
+    types = [e.event_type for e in _events(run_id)]
+    assert "stage:failed" not in types and "workflow:failed" not in types
+    _assert_gap_free(run_id)
+
+
+def test_heartbeat_of_a_taken_over_delivery_reports_the_lost_lease(
+    kernel_for: Any, clock: FakeClock
+) -> None:
+    """A heartbeat fenced by the token does not refresh the new delivery's lease; it sets
+    ``lost`` so ``ctx.is_cancelled()`` tells the stage its result will be discarded."""
+    kernel = kernel_for(define_workflow(id="beats", input=Num).pipe(add(1)).build())
+    _start(kernel, "beats")
+    first = delivery.lease(kernel, "w1")
+    assert first is not None
+    _take_over(kernel, clock)
+    second = delivery.lease(kernel, "w2")
+    assert second is not None and second.job.attempt == 2
+    beat = delivery.Heartbeat(kernel, first.job.pk, 3600, first.run.pk, attempt=1)
+    beat.beat()
+    assert beat.lost.is_set()
+    assert WorkflowJob.objects.get(pk=first.job.pk).worker_id == "w2"
+
+
+def test_old_generation_delivery_finishing_after_a_rerun_is_discarded(
+    kernel_for: Any, clock: FakeClock
+) -> None:
+    """A delivery of generation 0 that finishes after the run completed and was rerun from its
+    stage does not touch the new generation's record or output."""
+    wf = define_workflow(id="regen", input=Num).pipe(_counting_stage("s", [1, 2, 3])).build()
+    kernel = kernel_for(wf)
+    run_id = _start(kernel, "regen")
+    old = delivery.lease(kernel, "old-worker")
+    assert old is not None
+    old_outcome, old_services = delivery.execute(kernel, old)
+    _take_over(kernel, clock)
+    process_available_jobs(kernel, "w", max_jobs=5)
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED
+
+    kernel.dispatch(RerunFrom(run_id, "s"))
+    late = delivery.commit_outcome(kernel, old, old_outcome, old_services, "old-worker")
+
+    assert late.outcome == "discarded"
+    record = WorkflowStage.objects.get(run_id=run_id, stage_id="s")
+    assert (record.attempt, record.status) == (1, Status.PENDING)
+    assert not WorkflowBlob.objects.filter(key__endswith="/s/output.json").exists()
+    process_available_jobs(kernel, "w", max_jobs=5)
+    assert WorkflowRun.objects.get(pk=run_id).output == {"value": 3}
+    _assert_gap_free(run_id)
+
+
+# --- One transaction, crashes at every boundary --------------------------------------------------
+
+
+class SimulatedCrash(BaseException):
+    """What a SIGKILL leaves behind in process: the transaction in flight rolls back."""
+
+
+class Sides(BaseModel):
+    """The combined output of the parallel group ``[b | c]``."""
+
+    b: Num
+    c: Num
+
+
+def diamond() -> Any:
+    return (
+        define_workflow(id="diamond", input=Num)
+        .pipe(add(1, stage_id="a"))
+        .parallel([add(10, stage_id="b"), add(100, stage_id="c")])
+        .pipe(
+            define_stage(
+                id="d",
+                input=Sides,
+                output=Num,
+                execute=lambda ctx: Num(value=ctx.input.b.value + ctx.input.c.value),
+            )
+        )
+        .build()
+    )
+
+
+@pytest.mark.parametrize("point", faults.POINTS)
+def test_a_crash_at_any_commit_boundary_loses_nothing_and_duplicates_nothing(
+    kernel_for: Any, clock: FakeClock, point: str
+) -> None:
+    """A worker dies at ``point`` (once); after its lease expires another delivery finishes
+    the work: the run completes with the right output, every stage committed exactly one
+    outcome, and the run's event sequences are gap-free."""
+    kernel = kernel_for(diamond())
+    run_id = kernel.dispatch(CreateRun("diamond", {"value": 0})).workflow_run_id
+    fired = []
+
+    def crash() -> None:
+        if not fired:
+            fired.append(point)
+            raise SimulatedCrash(point)
+
+    faults.inject(point, crash)
+    try:
+        with pytest.raises(SimulatedCrash):
+            process_available_jobs(kernel, "doomed", max_jobs=10)
+    finally:
+        faults.inject(point, None)
+    connection.close()  # the dead worker's connection goes with it
+    assert fired == [point]
+
+    for _ in range(5):
+        clock.advance(STALE + 1)
+        run_maintenance_tick(kernel, "survivor")
+        process_available_jobs(kernel, "survivor", max_jobs=20)
+        if WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED:
+            break
+    run = WorkflowRun.objects.get(pk=run_id)
+    assert (run.status, run.output) == (Status.COMPLETED, {"value": 112})
+    assert _completed_once(run_id) == {"a": 1, "b": 1, "c": 1, "d": 1}
+    assert len(_events(run_id, "workflow:completed")) == 1
+    _assert_gap_free(run_id)
+
+
+def test_reaper_advances_a_run_whose_work_is_done_instead_of_failing_it(
+    kernel_for: Any, clock: FakeClock
+) -> None:
+    """A run whose last stage COMPLETED but which was never transitioned (an older engine's
+    lost transition) is advanced by ``run.reapStuck``, not failed."""
+    kernel = kernel_for(define_workflow(id="lost", input=Num).pipe(add(1)).pipe(add(2)).build())
+    run_id = _start(kernel, "lost")
+    process_available_jobs(kernel, "w", max_jobs=1)  # first stage only
+    # Simulate the old two-transaction path losing the transition after stage 1:
+    WorkflowJob.objects.filter(workflow_run_id=run_id, stage_id="add-2").delete()
+    WorkflowStage.objects.filter(run_id=run_id, stage_id="add-2").delete()
+
+    clock.advance(3600)
+    result = kernel.dispatch(ReapStuckRuns(stuck_threshold_seconds=600))
+
+    assert (result.failed, result.recovered) == (0, 1)
+    process_available_jobs(kernel, "w", max_jobs=5)
+    run = WorkflowRun.objects.get(pk=run_id)
+    assert (run.status, run.output) == (Status.COMPLETED, {"value": 3})
+
+
+# --- Pinned costs -------------------------------------------------------------------------------
+
+#: A stage that continues its run (its outcome, the transition and the next stage's lease in
+#: one transaction): statements (SQLite counts its BEGIN and COMMIT too) and commits.
+MAX_STATEMENTS_PER_CONTINUED_STAGE = 11
+MAX_COMMITS_PER_CONTINUED_STAGE = 1
+#: A whole run of a -> [b | c] -> d, from run.create to COMPLETED, per stage.
+MAX_STATEMENTS_PER_STAGE_DIAMOND = 19
+MAX_COMMITS_PER_STAGE_DIAMOND = 2.0
+
+
+class CommitCounter:
+    def __init__(self) -> None:
+        self.count = 0
+        self._conn = connections["default"]
+
+    def __enter__(self) -> CommitCounter:
+        self._real = self._conn.commit
+
+        def counting() -> None:
+            self.count += 1
+            self._real()
+
+        self._conn.commit = counting  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._conn.commit = self._real  # type: ignore[method-assign]
+
+
+def _chain_costs(kernel_for: Any, stages: int) -> tuple[int, int]:
+    builder = define_workflow(id=f"chain-{stages}", input=Num)
+    for i in range(stages):
+        builder.pipe(add(1, stage_id=f"s{i}"))
+    kernel = kernel_for(builder.build())
+    run_id = _start(kernel, f"chain-{stages}")
+    first = delivery.lease(kernel, "w")
+    assert first is not None
+    outcome, services = delivery.execute(kernel, first)
+    with CaptureQueriesContext(connection) as queries, CommitCounter() as commits:
+        following = delivery.commit_outcome(kernel, first, outcome, services, "w")
+    assert following.next is not None and following.next.node.stage.id == "s1"
+    current = following.next
+    while current is not None:
+        current = delivery.deliver(kernel, current, "w").next
+    assert WorkflowRun.objects.get(pk=run_id).output == {"value": stages}
+    return len(queries.captured_queries), commits.count
+
+
+def test_a_continued_stage_costs_one_transaction_and_a_constant_handful_of_statements(
+    kernel_for: Any,
+) -> None:
+    """Count your queries: the outcome of a stage, its job, the transition and the lease of
+    the run's next stage cost one commit and at most 11 statements, however many stages came
+    before (2 vs 9)."""
+    short = _chain_costs(kernel_for, 2)
+    long = _chain_costs(kernel_for, 9)
+    assert short == long
+    statements, commits = long
+    assert statements <= MAX_STATEMENTS_PER_CONTINUED_STAGE
+    assert commits <= MAX_COMMITS_PER_CONTINUED_STAGE
+
+
+def test_a_whole_diamond_run_stays_within_the_pinned_cost_per_stage(kernel_for: Any) -> None:
+    """From run.create to COMPLETED, a -> [b | c] -> d (one worker, in process) costs at most
+    19 statements and 2 commits per stage, including run creation, the claim and the empty
+    lease that ends the worker's loop."""
+    kernel = kernel_for(diamond())
+    with CaptureQueriesContext(connection) as queries, CommitCounter() as commits:
+        run_id = kernel.dispatch(CreateRun("diamond", {"value": 0})).workflow_run_id
+        assert process_available_jobs(kernel, "w", max_jobs=10).processed == 4
+    assert WorkflowRun.objects.get(pk=run_id).output == {"value": 112}
+    assert len(queries.captured_queries) / 4 <= MAX_STATEMENTS_PER_STAGE_DIAMOND
+    assert commits.count / 4 <= MAX_COMMITS_PER_STAGE_DIAMOND
