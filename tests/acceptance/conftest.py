@@ -61,14 +61,17 @@ def project(database_url: str, tmp_path: Path) -> Callable[..., dict[str, str]]:
 
 
 @pytest.fixture
-def clusters(tmp_path: Path) -> Iterator[Callable[[dict[str, str]], Cluster]]:
+def clusters(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     """``clusters(env)`` starts a ``qcluster``; every cluster still running is stopped at the
     end of the test. All clusters of a test share ``tmp_path/qcluster.log``.
+
+    ``clusters(env, *command, log="name.log")`` starts another long-running ``manage.py``
+    command the same way (e.g. ``harness.tick_command()``), logging to ``tmp_path/<log>``.
     """
     started: list[Cluster] = []
 
-    def start(env: dict[str, str]) -> Cluster:
-        cluster = Cluster(env, tmp_path / "qcluster.log").start()
+    def start(env: dict[str, str], *command: str, log: str = "qcluster.log") -> Cluster:
+        cluster = Cluster(env, tmp_path / log, command or ("qcluster",)).start()
         started.append(cluster)
         return cluster
 

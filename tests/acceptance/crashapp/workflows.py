@@ -215,3 +215,7 @@ race_pipeline = register(
     .pipe(race_e)
     .build()
 )
+
+
+# The fault tests' workflows (they use ``crash_dir`` and ``enter`` above).
+from . import faults  # noqa: E402, F401

@@ -1,0 +1,191 @@
+"""Workflows of the fault tests (paused worker, clock skew, crash at a commit boundary).
+
+Every execution of a stage body appends one JSON line ``{"pid", "run", "stage", "entry"}`` to
+``{CRASH_DIR}/executions.jsonl`` (one ``O_APPEND`` write, so concurrent writers never
+interleave), so a test can count how often each stage really ran.
+
+* ``pause-pipeline``: first -> slow -> reader -> gate.
+  ``slow`` on its first delivery writes ``{run}.slow.blocked`` (its pid) and waits for
+  ``{run}.slow.resume`` - the test pauses that worker with SIGSTOP meanwhile; after the resume
+  it returns (``late="success"``) or raises (``late="fail"``: a non-retryable validation error,
+  ``late="retryable"``: a plain exception). Every other delivery returns at once. The output
+  names the delivery (entry number and pid), so the test can tell whose output was kept.
+  ``reader`` copies what it read from ``slow``. ``gate`` on its first entry writes
+  ``{run}.gate.blocked`` and waits for ``{run}.gate.go``: it holds the run RUNNING until the
+  late delivery of ``slow`` has been dealt with.
+* ``fault-pipeline``: a -> [b | c] -> d; every stage sleeps ``CRASH_STAGE_SECONDS`` (default 0)
+  and passes on what it read, so ``d``'s output shows the whole path. With
+  ``CRASH_EXIT_IN_STAGE=<stage id>`` the first execution of that stage (the first process to
+  create ``CRASH_EXIT_ONCE_FILE``) ends its worker process with ``os._exit(70)`` inside the
+  body.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from django_workflows import StageContext, define_workflow, register, stage
+
+from .workflows import crash_dir, enter
+
+
+def record_execution(run_id: str, stage_id: str, entry: int = 0) -> None:
+    """Append one line for this execution of ``stage_id`` to ``executions.jsonl``."""
+    line = json.dumps({"pid": os.getpid(), "run": run_id, "stage": stage_id, "entry": entry})
+    fd = os.open(crash_dir() / "executions.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def wait_for_file(path: Path) -> bool:
+    """Wait (bounded by ``CRASH_BLOCK_SECONDS``, default 60) until ``path`` exists."""
+    deadline = time.monotonic() + float(os.environ.get("CRASH_BLOCK_SECONDS", "60"))
+    while time.monotonic() < deadline:
+        if path.exists():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# --- pause-pipeline ------------------------------------------------------------------------------
+
+
+class PauseInput(BaseModel):
+    late: str = "success"
+
+
+class Slow(BaseModel):
+    late: str
+    delivery: int = 0
+    pid: int = 0
+
+
+class Read(BaseModel):
+    delivery: int
+    pid: int
+
+
+class _Never(BaseModel):
+    required: int
+
+
+@stage(id="first", input=PauseInput, output=Slow)
+def pause_first(ctx: StageContext[PauseInput, Any]) -> Slow:
+    record_execution(ctx.workflow_run_id, "first")
+    return Slow(late=ctx.input.late)
+
+
+@stage(id="slow", input=Slow, output=Slow)
+def pause_slow(ctx: StageContext[Slow, Any]) -> Slow:
+    run_id = ctx.workflow_run_id
+    count = enter(run_id, "slow")
+    record_execution(run_id, "slow", count)
+    if count == 1:
+        (crash_dir() / f"{run_id}.slow.blocked").write_text(str(os.getpid()))
+        wait_for_file(crash_dir() / f"{run_id}.slow.resume")
+        if ctx.input.late == "fail":
+            _Never.model_validate({})  # a ValidationError: not retryable
+        if ctx.input.late == "retryable":
+            raise RuntimeError("late failure of the paused delivery")
+    return Slow(late=ctx.input.late, delivery=count, pid=os.getpid())
+
+
+@stage(id="reader", input=Slow, output=Read)
+def pause_reader(ctx: StageContext[Slow, Any]) -> Read:
+    record_execution(ctx.workflow_run_id, "reader")
+    return Read(delivery=ctx.input.delivery, pid=ctx.input.pid)
+
+
+@stage(id="gate", input=Read, output=Read)
+def pause_gate(ctx: StageContext[Read, Any]) -> Read:
+    run_id = ctx.workflow_run_id
+    count = enter(run_id, "gate")
+    record_execution(run_id, "gate", count)
+    if count == 1:
+        (crash_dir() / f"{run_id}.gate.blocked").write_text(str(os.getpid()))
+        wait_for_file(crash_dir() / f"{run_id}.gate.go")
+    return ctx.input
+
+
+pause_pipeline = register(
+    define_workflow(id="pause-pipeline", name="Faults: paused worker", input=PauseInput)
+    .pipe(pause_first)
+    .pipe(pause_slow)
+    .pipe(pause_reader)
+    .pipe(pause_gate)
+    .build()
+)
+
+
+# --- fault-pipeline ------------------------------------------------------------------------------
+
+
+class FaultInput(BaseModel):
+    n: int = 0
+
+
+class Trail(BaseModel):
+    n: int
+    path: list[str] = Field(default_factory=list)
+
+
+class Joined(BaseModel):
+    b: Trail
+    c: Trail
+
+
+def exit_once(once_file: str) -> None:
+    """``os._exit(70)`` if this process is the first to create ``once_file``."""
+    try:
+        os.close(os.open(once_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return
+    os._exit(70)
+
+
+def _work(ctx: StageContext[Any, Any], stage_id: str) -> None:
+    record_execution(ctx.workflow_run_id, stage_id)
+    time.sleep(float(os.environ.get("CRASH_STAGE_SECONDS", "0")))
+    if os.environ.get("CRASH_EXIT_IN_STAGE") == stage_id:
+        exit_once(os.environ["CRASH_EXIT_ONCE_FILE"])
+
+
+@stage(id="a", input=FaultInput, output=Trail)
+def fault_a(ctx: StageContext[FaultInput, Any]) -> Trail:
+    _work(ctx, "a")
+    return Trail(n=ctx.input.n, path=["a"])
+
+
+@stage(id="b", input=Trail, output=Trail)
+def fault_b(ctx: StageContext[Trail, Any]) -> Trail:
+    _work(ctx, "b")
+    return Trail(n=ctx.input.n, path=[*ctx.input.path, "b"])
+
+
+@stage(id="c", input=Trail, output=Trail)
+def fault_c(ctx: StageContext[Trail, Any]) -> Trail:
+    _work(ctx, "c")
+    return Trail(n=ctx.input.n, path=[*ctx.input.path, "c"])
+
+
+@stage(id="d", input=Joined, output=Trail)
+def fault_d(ctx: StageContext[Joined, Any]) -> Trail:
+    _work(ctx, "d")
+    return Trail(n=ctx.input.b.n, path=[*ctx.input.b.path, *ctx.input.c.path[1:], "d"])
+
+
+fault_pipeline = register(
+    define_workflow(id="fault-pipeline", name="Faults: a -> [b | c] -> d", input=FaultInput)
+    .pipe(fault_a)
+    .parallel([fault_b, fault_c])
+    .pipe(fault_d)
+    .build()
+)
