@@ -6,8 +6,11 @@ Every django-q2 delivery is treated as at-least-once and possibly duplicated: th
 
 Tasks:
 
-* :func:`work` - drain up to ``JOBS_PER_WAKEUP`` ready jobs (optionally claim PENDING runs
-  first). Sent after every commit that enqueued jobs or created a run.
+* :func:`work` - make up to ``JOBS_PER_WAKEUP`` deliveries (:mod:`..kernel.delivery`): a
+  worker continues each run it advances, claims PENDING runs when no job is ready, and hands
+  leftover work to the next wake-up. Sent after commits that enqueued jobs nobody leased, or
+  that created a run (at most ``max_pending_wakeups`` queued at once). Worker processes also
+  flush the outbox right after their commits (:mod:`..kernel.flusher`).
 * :func:`ticker` - run maintenance ticks every ``TICK_INTERVAL_SECONDS`` for up to
   ``TICKER_RUN_SECONDS`` while holding the ``ticker`` lease, so suspended stages are polled
   with sub-minute latency. It stops early once no run is PENDING or RUNNING. A django-q2
