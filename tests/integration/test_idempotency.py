@@ -21,6 +21,7 @@ from django_workflows.kernel import (
     CreateRun,
     ExecuteJob,
     IdempotencyInProgressError,
+    IdempotencyKeyReusedError,
     Kernel,
     WorkflowNotFoundError,
     idempotency,
@@ -298,3 +299,33 @@ def test_key_store_stale_reclaim_rules(clock: FakeClock) -> None:
     idempotency.complete("b", CREATE, {"done": True})
     day = ten + timedelta(hours=24)
     assert idempotency.acquire("b", CREATE, now=day, stale_after_seconds=600).outcome == "replay"
+
+
+@pytest.mark.parametrize(
+    ("change", "difference"),
+    [
+        ({"workflow_id": "other"}, "workflow 'two-stage' (this request names 'other')"),
+        ({"input": {"value": 2}}, "another input"),
+        ({"config": {"add-1": {}}}, "another config"),
+    ],
+)
+def test_replaying_a_key_with_another_request_is_refused_naming_the_key(
+    kernel_for: KernelFor, change: dict[str, Any], difference: str
+) -> None:
+    """Issue 7: the same key with another workflow, input or config is a conflict, not a
+    silent replay of the first run: ``IdempotencyKeyReusedError`` names the key and what
+    differs, and nothing is written."""
+    kernel = kernel_for(two_stage(), two_stage("other"))
+    run_id = _create(kernel, key="order-42")
+    counts = (WorkflowRun.objects.count(), OutboxEvent.objects.count())
+    request: dict[str, Any] = {"workflow_id": "two-stage", "input": {"value": 1}, **change}
+
+    with pytest.raises(IdempotencyKeyReusedError) as raised:
+        kernel.dispatch(CreateRun(idempotency_key="order-42", **request))
+
+    message = str(raised.value)
+    assert "'order-42'" in message and run_id in message and difference in message
+    assert raised.value.field == "idempotency_key"
+    assert (WorkflowRun.objects.count(), OutboxEvent.objects.count()) == counts
+    # the same request again is still a plain replay
+    assert _create(kernel, key="order-42") == run_id
