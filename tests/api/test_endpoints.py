@@ -14,7 +14,8 @@ from django_workflows.models import OutboxEvent, WorkflowAnnotation, WorkflowRun
 
 from .conftest import API, drive, row_counts
 
-pytestmark = pytest.mark.django_db
+# The kernel's worker path manages its own connections: real transactions, as in the admin tests.
+pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def create(api: Any, workflow_id: str = "api-two-stage", **body: Any) -> Any:
