@@ -63,7 +63,11 @@ def test_long_poll_sees_an_event_committed_by_another_process(api: Any) -> None:
     after = _last_sequence(api, run_id)
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, run_id],
-        cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert child.stdout is not None and child.stdin is not None

@@ -20,16 +20,14 @@ ROUTES = [
     ("get", "definitions/", None, ["view_workflowrun"]),
     ("get", "definitions/api-two-stage/", None, ["view_workflowrun"]),
     ("get", "runs/", None, ["view_workflowrun"]),
-    ("post", "runs/", {"workflow_id": "api-two-stage", "input": {"value": 1}},
-     ["add_workflowrun"]),
+    ("post", "runs/", {"workflow_id": "api-two-stage", "input": {"value": 1}}, ["add_workflowrun"]),
     ("get", "runs/{run}/", None, ["view_workflowrun"]),
     ("post", "runs/{run}/cancel/", {}, ["cancel_workflowrun"]),
     ("post", "runs/{run}/rerun/", {"from_stage_id": "first"}, ["rerun_workflowrun"]),
     ("post", "runs/{run}/approve/", {}, ["approve_workflowrun"]),
     ("post", "runs/{run}/reject/", {}, ["approve_workflowrun"]),
     ("get", "runs/{run}/annotations/", None, ["view_workflowrun", "view_workflowannotation"]),
-    ("post", "runs/{run}/annotations/", {"attributes": {"acme.x": 1}},
-     ["annotate_workflowrun"]),
+    ("post", "runs/{run}/annotations/", {"attributes": {"acme.x": 1}}, ["annotate_workflowrun"]),
     ("get", "runs/{run}/events/", None, ["view_workflowrun", "view_outboxevent"]),
     ("get", "runs/{run}/logs/", None, ["view_workflowrun", "view_workflowlog"]),
 ]
@@ -119,7 +117,9 @@ def test_session_auth_with_csrf(run_id) -> None:
     secret = _get_new_csrf_string()
     client.cookies["csrftoken"] = secret
     ok = client.post(
-        f"{API}runs/{run_id}/cancel/", {}, format="json",
+        f"{API}runs/{run_id}/cancel/",
+        {},
+        format="json",
         HTTP_X_CSRFTOKEN=_mask_cipher_secret(secret),
     )
     assert ok.status_code == 200 and ok.json()["cancelled"] is True
