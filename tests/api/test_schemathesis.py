@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 import schemathesis
+from django.core import signals
 from django.core.wsgi import get_wsgi_application
+from django.db import close_old_connections
 from hypothesis import HealthCheck, settings
 from rest_framework.authtoken.models import Token
 from schemathesis.checks import not_a_server_error
@@ -50,6 +52,20 @@ def _report() -> Iterator[None]:
     print(f"\nschemathesis: {total} requests over {len(RUN_COUNTS)} operations")
     for label, count in sorted(RUN_COUNTS.items()):
         print(f"  {count:4d}  {label}")
+
+
+@pytest.fixture(autouse=True)
+def _keep_test_connection() -> Iterator[None]:
+    """Schemathesis calls the WSGI handler directly, whose request signals close "old"
+    database connections - on PostgreSQL that closes the test's transaction. Django's test
+    client disconnects the same receiver for the same reason."""
+    signals.request_started.disconnect(close_old_connections)
+    signals.request_finished.disconnect(close_old_connections)
+    try:
+        yield
+    finally:
+        signals.request_started.connect(close_old_connections)
+        signals.request_finished.connect(close_old_connections)
 
 
 @pytest.fixture
