@@ -65,6 +65,31 @@ DEFAULTS: dict[str, Any] = {
     # Dotted path of a zero-argument callable returning the kernel's Clock (None: the system
     # clock). Leases never depend on it: they are stamped and judged with the database's clock.
     "CLOCK": None,
+    # HTTP API (django_workflows.api, mounted with include("django_workflows.api.urls")).
+    # Dotted paths of DRF authentication classes; None: REST_FRAMEWORK's
+    # DEFAULT_AUTHENTICATION_CLASSES (DRF's default is session + basic authentication).
+    "API_AUTHENTICATION_CLASSES": None,
+    # Dotted paths of DRF permission classes of every run/definition endpoint. The default
+    # needs an authenticated user with the model permission each view names in
+    # ``required_permissions`` (view_*, add_workflowrun, cancel_/rerun_/approve_/annotate_*).
+    "API_PERMISSION_CLASSES": ["django_workflows.api.permissions.WorkflowModelPermissions"],
+    # Permission classes of the schema and docs pages (default: anyone may read the contract).
+    "API_SCHEMA_PERMISSION_CLASSES": ["rest_framework.permissions.AllowAny"],
+    # Dotted paths of DRF throttle classes; the default throttles by API_THROTTLE_RATES.
+    "API_THROTTLE_CLASSES": ["django_workflows.api.throttling.WorkflowsRateThrottle"],
+    # Rates per scope ("read", "write", "events"; DRF syntax such as "100/min"); None or a
+    # missing scope: not throttled. Clients are told apart by user id (else by IP address).
+    "API_THROTTLE_RATES": {"read": None, "write": None, "events": None},
+    # Request bodies larger than this many bytes are refused with 413 before parsing.
+    "API_MAX_BODY_BYTES": 2 * 1024 * 1024,
+    # Deepest nesting of arrays/objects accepted in a JSON request body (deeper: 400).
+    "API_MAX_JSON_DEPTH": 64,
+    # Runs per page of GET runs/ (clients may ask for up to API_MAX_PAGE_SIZE).
+    "API_PAGE_SIZE": 50,
+    "API_MAX_PAGE_SIZE": 500,
+    # Longest long poll of GET runs/{id}/events/?wait= (seconds), and how often it looks.
+    "API_LONG_POLL_MAX_SECONDS": 30.0,
+    "API_LONG_POLL_INTERVAL_SECONDS": 0.15,
 }
 
 

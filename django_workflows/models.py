@@ -81,6 +81,17 @@ class WorkflowRun(models.Model):
             models.Index(fields=["status"], name="wf_run_status_idx"),
             models.Index(fields=["workflow_id"], name="wf_run_workflow_idx"),
             models.Index(fields=["status", "-priority", "created_at"], name="wf_run_claim_idx"),
+            # The HTTP API's run list: keyset pagination newest first, (created_at, id)
+            # descending, alone or after a status filter (no sort, no COUNT).
+            models.Index(fields=["created_at", "id"], name="wf_run_created_id_idx"),
+            models.Index(fields=["status", "created_at", "id"], name="wf_run_status_created_idx"),
+        ]
+        # Operator permissions shared by the HTTP API and the admin.
+        permissions = [
+            ("cancel_workflowrun", "Can cancel workflow runs"),
+            ("rerun_workflowrun", "Can rerun workflow runs from a stage"),
+            ("approve_workflowrun", "Can approve or reject a waiting approval stage"),
+            ("annotate_workflowrun", "Can attach annotations to workflow runs"),
         ]
 
     def __str__(self) -> str:
@@ -309,6 +320,11 @@ class OutboxEvent(models.Model):
         ]
         indexes = [
             models.Index(fields=["published_at"], name="wf_outbox_published_idx"),
+        ]
+        # Operator permissions shared by the HTTP API and the admin.
+        permissions = [
+            ("replay_outboxevent", "Can replay dead-lettered outbox events"),
+            ("skip_outboxevent", "Can skip a dead-lettered outbox event"),
         ]
 
     def __str__(self) -> str:

@@ -26,6 +26,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "rest_framework.authtoken",
+    "drf_spectacular",
     "django_q",
     "django_workflows",
     "example_project.docpipeline",
@@ -128,6 +130,13 @@ DJANGO_WORKFLOWS = {
 
 REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
+    # The workflows API (api/workflows/) uses these unless DJANGO_WORKFLOWS names its own
+    # API_AUTHENTICATION_CLASSES. Token first: an anonymous request gets 401 with a
+    # "WWW-Authenticate: Token" challenge; the session (with CSRF) serves the browser.
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
 }
 
 DOCPIPELINE_REPORT_DIR = Path(os.environ.get("DOCPIPELINE_REPORT_DIR", VAR_DIR / "reports"))

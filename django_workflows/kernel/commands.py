@@ -117,8 +117,9 @@ def fingerprint(value: Any) -> str:
 
 @dataclass
 class CreateRunResult(Result):
-    """``request``: what the run was created from - ``workflow_id`` and fingerprints of the
-    given ``input`` and ``config`` - so a replay of the key with another request is refused.
+    """``request``: what the run was created from - ``workflow_id``, ``priority`` and
+    fingerprints of the given ``input`` and ``config`` - so a replay of the key with another
+    request is refused.
     """
 
     workflow_run_id: str
@@ -131,6 +132,7 @@ class CreateRunResult(Result):
             "workflow_id": command.workflow_id,
             "input": fingerprint(command.input),
             "config": fingerprint(command.config or {}),
+            "priority": str(command.priority),
         }
 
     def mismatch(self, command: Any) -> str | None:
@@ -142,8 +144,8 @@ class CreateRunResult(Result):
                 f"workflow {self.request.get('workflow_id')!r} (this request names "
                 f"{command.workflow_id!r})"
             )
-        for part in ("input", "config"):
-            if given[part] != self.request.get(part):
+        for part in ("input", "config", "priority"):
+            if part in self.request and given[part] != self.request[part]:
                 return f"another {part}"
         return None
 

@@ -307,12 +307,13 @@ def test_key_store_stale_reclaim_rules(clock: FakeClock) -> None:
         ({"workflow_id": "other"}, "workflow 'two-stage' (this request names 'other')"),
         ({"input": {"value": 2}}, "another input"),
         ({"config": {"add-1": {}}}, "another config"),
+        ({"priority": 9}, "another priority"),
     ],
 )
 def test_replaying_a_key_with_another_request_is_refused_naming_the_key(
     kernel_for: KernelFor, change: dict[str, Any], difference: str
 ) -> None:
-    """Issue 7: the same key with another workflow, input or config is a conflict, not a
+    """Issue 7: the same key with another workflow, input, config or priority is a conflict, not a
     silent replay of the first run: ``IdempotencyKeyReusedError`` names the key and what
     differs, and nothing is written."""
     kernel = kernel_for(two_stage(), two_stage("other"))

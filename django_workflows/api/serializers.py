@@ -1,0 +1,438 @@
+"""Request and response shapes of the HTTP API (DRF serializers; the OpenAPI schema is
+generated from them).
+
+Request fields are strict: a string field takes only JSON strings, an integer field only JSON
+integers, a boolean field only ``true``/``false`` (DRF would coerce ``"5"`` or ``1``). Strings
+refuse NUL characters. Times are ISO-8601 in UTC; durations are milliseconds (``*_ms``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from ..models import LogLevel, Status
+
+RUN_STATUSES = [
+    Status.PENDING,
+    Status.RUNNING,
+    Status.COMPLETED,
+    Status.FAILED,
+    Status.CANCELLED,
+]
+STAGE_STATUSES = [choice for choice, _ in Status.choices]
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+# --- strict request fields ---------------------------------------------------------------------
+
+
+class StrictCharField(serializers.CharField):
+    """A JSON string only (no numbers coerced to text); no NUL characters."""
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)  # type: ignore[no-any-return]
+
+
+class StrictIntegerField(serializers.IntegerField):
+    """A JSON integer only (no ``"5"``, ``5.0`` or ``true``) - in bodies. Query parameters
+    (always strings) are parsed as base-10 integers."""
+
+    def to_internal_value(self, data: Any) -> int:
+        if isinstance(data, bool) or not isinstance(data, int | str):
+            self.fail("invalid")
+        if isinstance(data, str) and not self.parent_is_query():
+            self.fail("invalid")
+        return super().to_internal_value(data)  # type: ignore[no-any-return]
+
+    def parent_is_query(self) -> bool:
+        return bool(getattr(self.root, "is_query", False))
+
+
+class StrictBooleanField(serializers.BooleanField):
+    """``true``/``false`` only in bodies; ``true``/``false``/``1``/``0`` in query strings."""
+
+    def to_internal_value(self, data: Any) -> bool:
+        if isinstance(data, bool):
+            return data
+        if getattr(self.root, "is_query", False) and data in ("true", "false", "1", "0"):
+            return data in ("true", "1")
+        self.fail("invalid")
+        raise AssertionError  # pragma: no cover
+
+
+class FiniteFloatField(serializers.FloatField):
+    """A finite number (``nan``/``inf`` refused)."""
+
+    def to_internal_value(self, data: Any) -> float:
+        if isinstance(data, bool):
+            self.fail("invalid")
+        value = super().to_internal_value(data)
+        if not math.isfinite(value):
+            self.fail("invalid")
+        return value  # type: ignore[no-any-return]
+
+
+class JSONObjectField(serializers.DictField):
+    """A JSON object (any members)."""
+
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
+        if not isinstance(data, dict):
+            self.fail("not_a_dict", input_type=type(data).__name__)
+        return dict(data)
+
+
+@extend_schema_field({"oneOf": [{"type": "integer"}, {"type": "string"}]})
+class AnnotationIdField(serializers.Field):
+    """A row id (integer) or ``"synthesized:<run>:<key>"`` for a legacy metadata row."""
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
+# --- request bodies ---------------------------------------------------------------------------
+
+
+class ActorSerializer(serializers.Serializer):
+    """Who wrote an annotation: ``{"kind", "id", "version"}`` (any subset)."""
+
+    kind = StrictCharField(max_length=64, required=False, allow_null=True)
+    id = StrictCharField(max_length=200, required=False, allow_null=True)
+    version = StrictCharField(max_length=64, required=False, allow_null=True)
+
+
+class AnnotationEnvelopeSerializer(serializers.Serializer):
+    """Annotations written with a new run (run scope): attributes share the envelope."""
+
+    attributes = JSONObjectField(help_text="{key: JSON value}; null values are dropped")
+    actor = ActorSerializer(required=False, allow_null=True)
+    payload = serializers.JSONField(required=False, allow_null=True)
+    idempotency_key = StrictCharField(max_length=200, required=False, allow_null=True)
+    emit_event = StrictBooleanField(required=False, default=False)
+
+
+class CreateRunSerializer(serializers.Serializer):
+    """``POST runs/``. The ``Idempotency-Key`` header makes a retry safe."""
+
+    workflow_id = StrictCharField(max_length=200)
+    input = JSONObjectField(required=False, default=dict)
+    config = JSONObjectField(
+        required=False, allow_null=True, help_text="{stage_id: {...}} over the stage defaults"
+    )
+    priority = StrictIntegerField(
+        required=False, default=5, min_value=INT32_MIN, max_value=INT32_MAX
+    )
+    annotations = AnnotationEnvelopeSerializer(many=True, required=False, max_length=100)
+
+
+class CancelSerializer(serializers.Serializer):
+    reason = StrictCharField(max_length=2000, required=False, allow_null=True, allow_blank=True)
+
+
+class RerunSerializer(serializers.Serializer):
+    from_stage_id = StrictCharField(max_length=200)
+    idempotency_key = StrictCharField(max_length=255, required=False, allow_null=True)
+
+
+class ApproveSerializer(serializers.Serializer):
+    comment = StrictCharField(max_length=10_000, required=False, allow_null=True, allow_blank=True)
+    stage_id = StrictCharField(
+        max_length=200, required=False, allow_null=True, help_text="when several approvals wait"
+    )
+    policy_version = StrictCharField(max_length=200, required=False, allow_null=True)
+
+
+class RejectSerializer(serializers.Serializer):
+    reason = StrictCharField(max_length=10_000, required=False, allow_null=True, allow_blank=True)
+    stage_id = StrictCharField(
+        max_length=200, required=False, allow_null=True, help_text="when several approvals wait"
+    )
+    policy_version = StrictCharField(max_length=200, required=False, allow_null=True)
+
+
+class CreateAnnotationSerializer(serializers.Serializer):
+    """``POST runs/{id}/annotations/``; ``actor`` defaults to the authenticated user."""
+
+    attributes = JSONObjectField(help_text="{key: JSON value}; null values are dropped")
+    scope = StrictCharField(max_length=64, required=False, default="run")
+    scope_id = StrictCharField(max_length=200, required=False, allow_null=True)
+    actor = ActorSerializer(required=False, allow_null=True)
+    payload = serializers.JSONField(required=False, allow_null=True)
+    idempotency_key = StrictCharField(max_length=200, required=False, allow_null=True)
+    emit_event = StrictBooleanField(required=False, default=False)
+
+
+# --- query strings ----------------------------------------------------------------------------
+
+
+class QuerySerializer(serializers.Serializer):
+    """Base of query-string serializers (integers and booleans arrive as text)."""
+
+    is_query = True
+
+
+class RunListQuerySerializer(QuerySerializer):
+    status = serializers.ListField(
+        child=serializers.ChoiceField(choices=RUN_STATUSES),
+        required=False,
+        max_length=len(RUN_STATUSES),
+        help_text="repeatable: status=RUNNING&status=PENDING",
+    )
+    workflow_id = StrictCharField(max_length=200, required=False)
+    created_after = serializers.DateTimeField(required=False, help_text="created_at >= this")
+    created_before = serializers.DateTimeField(required=False, help_text="created_at < this")
+    key = StrictCharField(max_length=200, required=False, help_text="annotation key")
+    value = StrictCharField(
+        max_length=65_536,
+        required=False,
+        help_text="with key: annotation value equality; parsed as JSON when it is JSON "
+        '(5, true, "5"), else taken as a string',
+    )
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if "value" in attrs and "key" not in attrs:
+            raise serializers.ValidationError({"value": ["value needs key"]})
+        return attrs
+
+
+class AnnotationListQuerySerializer(QuerySerializer):
+    key = StrictCharField(max_length=200, required=False, help_text="exact key")
+    key_prefix = StrictCharField(max_length=200, required=False)
+    scope = StrictCharField(max_length=64, required=False)
+    scope_id = StrictCharField(max_length=200, required=False)
+    no_scope_id = StrictBooleanField(
+        required=False, default=False, help_text="only rows without a scope id"
+    )
+    actor_id = StrictCharField(max_length=200, required=False)
+    actor_kind = StrictCharField(max_length=64, required=False)
+    attempt = StrictIntegerField(required=False, min_value=0, max_value=INT32_MAX)
+    since = serializers.DateTimeField(required=False, help_text="created_at >= this")
+    until = serializers.DateTimeField(required=False, help_text="created_at <= this")
+    limit = StrictIntegerField(required=False, default=1000, min_value=1, max_value=1000)
+    include_legacy = StrictBooleanField(
+        required=False, default=True, help_text="include legacy.metadata.* virtual rows"
+    )
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if attrs.get("no_scope_id") and "scope_id" in attrs:
+            raise serializers.ValidationError(
+                {"no_scope_id": ["no_scope_id and scope_id exclude each other"]}
+            )
+        return attrs
+
+
+class EventsQuerySerializer(QuerySerializer):
+    after = StrictIntegerField(
+        required=False,
+        default=0,
+        min_value=0,
+        max_value=INT32_MAX,
+        help_text="return events with a sequence above this",
+    )
+    wait = FiniteFloatField(
+        required=False,
+        default=0,
+        min_value=0,
+        max_value=30,
+        help_text="long poll: wait up to this many seconds for a newer event",
+    )
+    limit = StrictIntegerField(required=False, default=100, min_value=1, max_value=1000)
+
+
+class LogsQuerySerializer(QuerySerializer):
+    after = StrictIntegerField(
+        required=False,
+        default=0,
+        min_value=0,
+        max_value=2**63 - 1,
+        help_text="return log lines with an id above this",
+    )
+    level = serializers.ChoiceField(choices=[c for c, _ in LogLevel.choices], required=False)
+    limit = StrictIntegerField(required=False, default=200, min_value=1, max_value=1000)
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+
+class ErrorSerializer(serializers.Serializer):
+    """Every error: a stable ``code``, a message, field errors by path (may be empty)."""
+
+    code = serializers.CharField()
+    message = serializers.CharField()
+    errors = serializers.DictField(child=serializers.ListField(child=serializers.CharField()))
+
+
+class StageSchemaSerializer(serializers.Serializer):
+    stage_id = serializers.CharField()
+    name = serializers.CharField()
+    description = serializers.CharField(allow_blank=True)
+    mode = serializers.ChoiceField(choices=["sync", "async-batch"])
+    dependencies = serializers.ListField(child=serializers.CharField())
+    config_schema = serializers.JSONField(help_text="JSON Schema of the stage config")
+    config_defaults = serializers.JSONField()
+    output_schema = serializers.JSONField(allow_null=True)
+
+
+class ExecutionGroupSerializer(serializers.Serializer):
+    execution_group = serializers.IntegerField()
+    parallel = serializers.BooleanField()
+    stages = StageSchemaSerializer(many=True)
+
+
+class DefinitionSerializer(serializers.Serializer):
+    workflow_id = serializers.CharField()
+    name = serializers.CharField()
+    description = serializers.CharField(allow_blank=True)
+    input_schema = serializers.JSONField(help_text="JSON Schema of the run input")
+    execution_groups = ExecutionGroupSerializer(many=True)
+
+
+class RunSerializer(serializers.Serializer):
+    """A run in the list."""
+
+    id = serializers.UUIDField()
+    url = serializers.CharField(help_text="the run in this API")
+    workflow_id = serializers.CharField()
+    workflow_name = serializers.CharField(allow_blank=True)
+    status = serializers.ChoiceField(choices=RUN_STATUSES)
+    priority = serializers.IntegerField()
+    created_at = serializers.DateTimeField()
+    updated_at = serializers.DateTimeField()
+    started_at = serializers.DateTimeField(allow_null=True)
+    completed_at = serializers.DateTimeField(allow_null=True)
+    duration_ms = serializers.IntegerField(allow_null=True)
+
+
+class StageSerializer(serializers.Serializer):
+    stage_id = serializers.CharField()
+    name = serializers.CharField(allow_blank=True)
+    execution_group = serializers.IntegerField()
+    stage_number = serializers.IntegerField()
+    attempt = serializers.IntegerField(help_text="rerun generation (0 first)")
+    status = serializers.ChoiceField(choices=STAGE_STATUSES)
+    started_at = serializers.DateTimeField(allow_null=True)
+    completed_at = serializers.DateTimeField(allow_null=True)
+    duration_ms = serializers.IntegerField(allow_null=True)
+    error = serializers.CharField(allow_null=True, allow_blank=True)
+    progress = serializers.FloatField(allow_null=True, help_text="0-100")
+    progress_message = serializers.CharField(allow_blank=True)
+    next_poll_at = serializers.DateTimeField(allow_null=True)
+
+
+class WaitingSerializer(serializers.Serializer):
+    """Why the run is not moving right now (one entry per waiting stage)."""
+
+    reason = serializers.ChoiceField(
+        choices=["claim", "job_queued", "retry", "executing", "poll", "approval"]
+    )
+    stage_id = serializers.CharField(allow_null=True)
+    at = serializers.DateTimeField(allow_null=True, help_text="when it is due, if known")
+    message = serializers.CharField()
+    allowed_approvers = serializers.ListField(child=serializers.CharField())
+
+
+class RunLinksSerializer(serializers.Serializer):
+    events = serializers.CharField()
+    annotations = serializers.CharField()
+    logs = serializers.CharField()
+    admin = serializers.CharField(allow_null=True)
+
+
+class RunDetailSerializer(RunSerializer):
+    """A run with its stages, data, error and what it waits for."""
+
+    version = serializers.IntegerField()
+    input = serializers.JSONField()
+    config = serializers.JSONField()
+    output = serializers.JSONField(allow_null=True)
+    error = serializers.CharField(allow_null=True)
+    stages = StageSerializer(many=True)
+    waiting = WaitingSerializer(many=True)
+    links = RunLinksSerializer()
+
+
+class RunPageSerializer(serializers.Serializer):
+    next = serializers.CharField(allow_null=True)
+    previous = serializers.CharField(allow_null=True)
+    results = RunSerializer(many=True)
+
+
+class CancelResultSerializer(serializers.Serializer):
+    cancelled = serializers.BooleanField(help_text="false: the run was already terminal")
+    status = serializers.ChoiceField(choices=RUN_STATUSES)
+
+
+class RerunResultSerializer(serializers.Serializer):
+    workflow_run_id = serializers.UUIDField()
+    from_stage_id = serializers.CharField()
+    deleted_stages = serializers.ListField(child=serializers.CharField())
+    replayed = serializers.BooleanField(help_text="true: an idempotency-key replay")
+
+
+class DecisionResultSerializer(serializers.Serializer):
+    workflow_run_id = serializers.UUIDField()
+    stage_id = serializers.CharField()
+    attempt = serializers.IntegerField()
+    outcome = serializers.ChoiceField(choices=["approved", "rejected"])
+    recorded = serializers.BooleanField(help_text="false: the same decision was already there")
+    decided_by = serializers.CharField()
+
+
+class AnnotationSerializer(serializers.Serializer):
+    id = AnnotationIdField()
+    created_at = serializers.DateTimeField()
+    workflow_run_id = serializers.UUIDField()
+    stage_record_id = serializers.UUIDField(allow_null=True)
+    attempt = serializers.IntegerField()
+    scope = serializers.CharField()
+    scope_id = serializers.CharField(allow_null=True)
+    actor_kind = serializers.CharField(allow_null=True)
+    actor_id = serializers.CharField(allow_null=True)
+    actor_version = serializers.CharField(allow_null=True)
+    key = serializers.CharField()
+    value = serializers.JSONField()
+    payload = serializers.JSONField(allow_null=True)
+    idempotency_key = serializers.CharField(allow_null=True)
+
+
+class AnnotationListSerializer(serializers.Serializer):
+    results = AnnotationSerializer(many=True)
+
+
+class AttachResultSerializer(serializers.Serializer):
+    created = serializers.IntegerField()
+    duplicates = serializers.IntegerField(help_text="skipped: same (key, idempotency_key)")
+
+
+class EventSerializer(serializers.Serializer):
+    id = serializers.IntegerField(help_text="outbox row id")
+    sequence = serializers.IntegerField(help_text="1, 2, 3, ... within the run")
+    event_type = serializers.CharField()
+    occurred_at = serializers.DateTimeField()
+    published_at = serializers.DateTimeField(allow_null=True)
+    payload = serializers.JSONField()
+
+
+class EventListSerializer(serializers.Serializer):
+    results = EventSerializer(many=True)
+    next_after = serializers.IntegerField(help_text="pass as after= to get later events")
+    run_status = serializers.ChoiceField(choices=RUN_STATUSES)
+
+
+class LogSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    created_at = serializers.DateTimeField()
+    level = serializers.ChoiceField(choices=[c for c, _ in LogLevel.choices])
+    message = serializers.CharField(allow_blank=True)
+    stage_id = serializers.CharField(allow_null=True)
+    metadata = serializers.JSONField(allow_null=True)
+
+
+class LogListSerializer(serializers.Serializer):
+    results = LogSerializer(many=True)
+    next_after = serializers.IntegerField()
