@@ -61,24 +61,17 @@ def _q(name: str) -> str:
     return _conn().ops.quote_name(name)
 
 
-def _writable(fields: Iterable[Any]) -> list[tuple[Any, str, type | None]]:
-    """``(field, attname, type written as is)`` per field; see :data:`_AS_IS`."""
-    return [(f, f.attname, _AS_IS.get(f.get_internal_type())) for f in fields]
+def _writable(fields: Iterable[Any]) -> list[tuple[Any, str, type | None, str]]:
+    """``(field, attname, type written as is, quoted column)`` per field; see :data:`_AS_IS`."""
+    return [(f, f.attname, _AS_IS.get(f.get_internal_type()), _q(f.column)) for f in fields]
 
 
 def _write_value(
     model: type[Model], field: Any, as_is: type | None, value: Any, params: list[Any], conn: Any
 ) -> str:
-    """The SQL for one value written to ``field``; its parameters are appended to ``params``.
-
-    ``None`` becomes ``NULL`` in the SQL text (psycopg's client-side binding would render it
-    so anyway), which keeps the parameter lists short.
+    """The SQL for one value written to ``field`` that is neither ``None`` nor written as is
+    (see the callers); its parameters are appended to ``params``.
     """
-    if value is None:
-        return "NULL"
-    if type(value) is as_is or (as_is is str and isinstance(value, str)):
-        params.append(value)
-        return "%s"
     if hasattr(value, "resolve_expression"):
         if type(value) is Now:
             return now_sql()
@@ -272,9 +265,18 @@ def update(
     prefix, fields, conds, tail = shape
     sets: list[str] = []
     params: list[Any] = []
-    for (field, _, as_is), value in zip(fields, values.values(), strict=True):
-        sql = _write_value(model, field, as_is, value, params, connection)
-        sets.append(f"{_q(field.column)} = {sql}")
+    for (field, _, as_is, column), value in zip(fields, values.values(), strict=True):
+        # None is written as NULL in the SQL text (psycopg's client-side binding renders it so
+        # anyway), which keeps the parameter lists short; plain values need no preparation.
+        if value is None:
+            sets.append(column + " = NULL")
+        elif type(value) is as_is or (as_is is str and isinstance(value, str)):
+            sets.append(column + " = %s")
+            params.append(value)
+        else:
+            sets.append(
+                column + " = " + _write_value(model, field, as_is, value, params, connection)
+            )
     for field, value in zip(conds, (pk, *where.values()), strict=True):
         params.append(field.get_db_prep_value(value, connection, prepared=False))
     with connection.cursor() as cursor:
@@ -345,10 +347,16 @@ def insert(
     params: list[Any] = []
     for obj in objs:
         d = obj.__dict__
-        marks = [
-            _write_value(model, field, as_is, d[attname], params, connection)
-            for field, attname, as_is in fields
-        ]
+        marks = []
+        for field, attname, as_is, _ in fields:
+            value = d[attname]
+            if value is None:  # as in update()
+                marks.append("NULL")
+            elif type(value) is as_is or (as_is is str and isinstance(value, str)):
+                marks.append("%s")
+                params.append(value)
+            else:
+                marks.append(_write_value(model, field, as_is, value, params, connection))
         groups.append("(" + ", ".join(marks) + ")")
     with connection.cursor() as cursor:
         cursor.execute(head + ", ".join(groups) + tail, params)
