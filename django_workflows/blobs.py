@@ -37,18 +37,14 @@ class DatabaseBlobStore:
         run_id: str | None = None,
         stage_id: str | None = None,
     ) -> None:
+        from .kernel import rows  # (not at import time: the kernel imports this module)
+
         now = self.clock.now()
-        rows = [
-            WorkflowBlob(key=k, data=v, created_at=now, run_id=run_id, stage_id=stage_id)
+        new = [
+            rows.new(WorkflowBlob, key=k, data=v, created_at=now, run_id=run_id, stage_id=stage_id)
             for k, v in items
         ]
-        if rows:
-            WorkflowBlob.objects.bulk_create(
-                rows,
-                update_conflicts=True,
-                unique_fields=["key"],
-                update_fields=["data", "created_at", "run_id", "stage_id"],
-            )
+        rows.insert(new, on_conflict=(["key"], ["data", "created_at", "run_id", "stage_id"]))
 
     def get(self, key: str) -> Any:
         rows = list(WorkflowBlob.objects.filter(key=key).values_list("data", flat=True))
@@ -58,10 +54,12 @@ class DatabaseBlobStore:
 
     def get_many(self, keys: Iterable[str]) -> dict[str, Any]:
         """``{key: data}`` for the keys that exist (one query)."""
+        from .kernel import rows
+
         keys = list(keys)
         if not keys:
             return {}
-        return dict(WorkflowBlob.objects.filter(key__in=keys).values_list("key", "data"))
+        return dict(rows.column_values(WorkflowBlob, ["key", "data"], "key", keys))  # type: ignore[arg-type]
 
     def has(self, key: str) -> bool:
         return WorkflowBlob.objects.filter(key=key).exists()

@@ -13,8 +13,10 @@ from typing import Any
 
 from django.db import transaction
 from django.db.models import F, Q
+from django.db.models.functions import Now
 
 from ..models import Status, WorkflowJob, WorkflowRun
+from . import rows
 from .errors import InvalidCommandError, RunNotRunningError
 
 
@@ -32,7 +34,10 @@ def parse_run_id(value: Any, field: str = "workflow_run_id") -> uuid.UUID:
 
 def lock_run(run_id: uuid.UUID) -> WorkflowRun | None:
     """Lock and return the run row, or ``None`` if it does not exist. Needs a transaction."""
-    return WorkflowRun.objects.select_for_update().filter(pk=run_id).first()
+    found = rows.select(
+        WorkflowRun, "lock_run", "id = %s", [rows.prep(WorkflowRun, "id", run_id)], lock="update"
+    )
+    return found[0] if found else None
 
 
 def require_running(run_id: uuid.UUID) -> WorkflowRun:
@@ -56,12 +61,16 @@ def require_running(run_id: uuid.UUID) -> WorkflowRun:
 
 def claim_next_pending_run() -> WorkflowRun | None:
     """Lock the PENDING run with the highest priority, oldest first (DM-33); skip locked rows."""
-    return (
-        WorkflowRun.objects.select_for_update(skip_locked=True)
-        .filter(status=Status.PENDING)
-        .order_by("-priority", "created_at", "id")
-        .first()
+    found = rows.select(
+        WorkflowRun,
+        "claim_next_pending_run",
+        "status = %s",
+        [Status.PENDING.value],
+        order_by="priority DESC, created_at ASC, id ASC",
+        limit=1,
+        lock="skip",
     )
+    return found[0] if found else None
 
 
 def claim_next_job(now: Any, exclude: Iterable[int] = ()) -> WorkflowJob | None:
@@ -71,10 +80,32 @@ def claim_next_job(now: Any, exclude: Iterable[int] = ()) -> WorkflowJob | None:
     ``now``: lease time (a datetime or the database's ``Now()``). ``exclude``: job ids this
     transaction already looked at (and still holds locks on).
     """
+    exclude = list(exclude)
+    params: list[Any] = [Status.PENDING.value]
+    if isinstance(now, Now):
+        ready = rows.now_sql()
+    elif hasattr(now, "resolve_expression"):  # another expression: leave it to the ORM
+        return _claim_next_job_orm(now, exclude)
+    else:
+        ready = "%s"
+        params.append(rows.prep(WorkflowJob, "next_poll_at", now))
+    not_in, ids = rows.ids_clause("id", exclude)
+    found = rows.select(
+        WorkflowJob,
+        f"claim_next_job:{ready != '%s'}:{len(ids)}",
+        f"status = %s AND (next_poll_at IS NULL OR next_poll_at <= {ready}){not_in}",
+        params + ids,
+        order_by="priority DESC, run_created_at ASC, id ASC",
+        limit=1,
+        lock="skip",
+    )
+    return found[0] if found else None
+
+
+def _claim_next_job_orm(now: Any, exclude: list[int]) -> WorkflowJob | None:
     qs = WorkflowJob.objects.select_for_update(skip_locked=True).filter(
         Q(next_poll_at__isnull=True) | Q(next_poll_at__lte=now), status=Status.PENDING
     )
-    exclude = list(exclude)
     if exclude:
         qs = qs.exclude(pk__in=exclude)
     return qs.order_by("-priority", "run_created_at", "id").first()
@@ -105,7 +136,10 @@ def try_lock_run(run_id: uuid.UUID) -> WorkflowRun | object | None:
         The locked run, ``None`` when it does not exist, or :data:`LOCKED` when another
         transaction holds it (try again later).
     """
-    run = WorkflowRun.objects.select_for_update(skip_locked=True).filter(pk=run_id).first()
+    found = rows.select(
+        WorkflowRun, "try_lock_run", "id = %s", [rows.prep(WorkflowRun, "id", run_id)], lock="skip"
+    )
+    run = found[0] if found else None
     if run is None and WorkflowRun.objects.filter(pk=run_id).exists():
         return LOCKED
     return run

@@ -12,6 +12,7 @@ from typing import Any
 from django.db import connection, transaction
 
 from ..models import OutboxEvent, WorkflowRun
+from . import rows
 
 
 def new_causation_id() -> str:
@@ -72,12 +73,13 @@ def append_events(events: Iterable[dict[str, Any]], causation_id: str, now: date
     by_run: dict[str, list[dict[str, Any]]] = {}
     for ev in events:
         by_run.setdefault(str(ev["workflow_run_id"]), []).append(ev)
-    rows: list[OutboxEvent] = []
+    new: list[OutboxEvent] = []
     for run_id, run_events in by_run.items():
         last = _reserve_sequences(run_id, len(run_events), now)
         first = last - len(run_events) + 1
-        rows.extend(
-            OutboxEvent(
+        new.extend(
+            rows.new(
+                OutboxEvent,
                 created_at=now,
                 workflow_run_id=run_id,
                 sequence=first + offset,
@@ -88,9 +90,9 @@ def append_events(events: Iterable[dict[str, Any]], causation_id: str, now: date
             )
             for offset, ev in enumerate(run_events)
         )
-    OutboxEvent.objects.bulk_create(rows)
+    rows.insert(new)
     transaction.on_commit(_events_committed)
-    return len(rows)
+    return len(new)
 
 
 def _events_committed() -> None:

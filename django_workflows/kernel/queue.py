@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.db.models import F
 
 from ..conf import workflow_settings
 from ..models import Status, WorkflowJob
 from ..ports import Clock, JobTransport
+from . import rows
 from .leases import LeaseClock
 from .locking import claim_next_job, lock_exhausted_stale_jobs
 
@@ -100,7 +101,8 @@ class JobQueue:
         now = self.clock.now()
         max_attempts = int(workflow_settings.MAX_ATTEMPTS)
         jobs = [
-            WorkflowJob(
+            rows.new(
+                WorkflowJob,
                 created_at=now,
                 updated_at=now,
                 workflow_run_id=s.workflow_run_id,
@@ -121,7 +123,7 @@ class JobQueue:
             first.locked_at = self.lease_clock.now()
             first.started_at = now
             first.attempt = 1
-        WorkflowJob.objects.bulk_create(jobs)
+        rows.insert(jobs)
         count = len(jobs) - (reserve_for is not None)
         if count:
             transaction.on_commit(lambda: self.transport.wake_workers(count))
@@ -162,22 +164,31 @@ class JobQueue:
         job.locked_at = self.lease_clock.now()
         job.started_at = job.updated_at = now
         job.attempt += 1
-        job.save(
-            update_fields=[
-                "status",
-                "worker_id",
-                "locked_at",
-                "started_at",
-                "updated_at",
-                "attempt",
-            ]
+        updated = rows.update(
+            WorkflowJob,
+            job.pk,
+            {
+                "status": job.status,
+                "worker_id": job.worker_id,
+                "locked_at": job.locked_at,
+                "started_at": job.started_at,
+                "updated_at": job.updated_at,
+                "attempt": job.attempt,
+            },
         )
+        if not updated:  # as Model.save(update_fields=...) would
+            raise DatabaseError("Save with update_fields did not affect any rows.")
         return job
 
     @staticmethod
-    def _fenced(job_id: int, from_status: str, attempt: int | None) -> Any:
-        qs = WorkflowJob.objects.filter(pk=job_id, status=from_status)
-        return qs if attempt is None else qs.filter(attempt=attempt)
+    def _fenced_update(
+        job_id: int, from_status: str, attempt: int | None, values: dict[str, Any]
+    ) -> int:
+        """Update the job only while it is in ``from_status`` (and at ``attempt``, if given)."""
+        where: dict[str, Any] = {"status": from_status}
+        if attempt is not None:
+            where["attempt"] = attempt
+        return rows.update(WorkflowJob, job_id, values, where=where)
 
     def complete(
         self, job_id: int, *, from_status: str = Status.RUNNING, attempt: int | None = None
@@ -187,12 +198,17 @@ class JobQueue:
         """
         now = self.clock.now()
         return bool(
-            self._fenced(job_id, from_status, attempt).update(
-                status=Status.COMPLETED,
-                completed_at=now,
-                updated_at=now,
-                worker_id=None,
-                locked_at=None,
+            self._fenced_update(
+                job_id,
+                from_status,
+                attempt,
+                dict(
+                    status=Status.COMPLETED,
+                    completed_at=now,
+                    updated_at=now,
+                    worker_id=None,
+                    locked_at=None,
+                ),
             )
         )
 
@@ -206,12 +222,17 @@ class JobQueue:
                 seconds=float(workflow_settings.SUSPEND_FALLBACK_SECONDS)
             )
         return bool(
-            self._fenced(job_id, Status.RUNNING, attempt).update(
-                status=Status.SUSPENDED,
-                next_poll_at=next_poll_at,
-                updated_at=now,
-                worker_id=None,
-                locked_at=None,
+            self._fenced_update(
+                job_id,
+                Status.RUNNING,
+                attempt,
+                dict(
+                    status=Status.SUSPENDED,
+                    next_poll_at=next_poll_at,
+                    updated_at=now,
+                    worker_id=None,
+                    locked_at=None,
+                ),
             )
         )
 
@@ -250,24 +271,33 @@ class JobQueue:
             current, limit = job.attempt, job.max_attempts
         else:
             current, limit = attempt, max_attempts
-        fenced = self._fenced(job_id, Status.RUNNING, attempt)
         if should_retry and current < limit:
-            updated = fenced.update(
-                status=Status.PENDING,
-                last_error=error,
-                worker_id=None,
-                locked_at=None,
-                next_poll_at=self.lease_clock.offset(self.retry_delay_seconds(current)),
-                updated_at=now,
+            updated = self._fenced_update(
+                job_id,
+                Status.RUNNING,
+                attempt,
+                dict(
+                    status=Status.PENDING,
+                    last_error=error,
+                    worker_id=None,
+                    locked_at=None,
+                    next_poll_at=self.lease_clock.offset(self.retry_delay_seconds(current)),
+                    updated_at=now,
+                ),
             )
             return Status.PENDING if updated else None
-        updated = fenced.update(
-            status=Status.FAILED,
-            last_error=error,
-            completed_at=now,
-            updated_at=now,
-            worker_id=None,
-            locked_at=None,
+        updated = self._fenced_update(
+            job_id,
+            Status.RUNNING,
+            attempt,
+            dict(
+                status=Status.FAILED,
+                last_error=error,
+                completed_at=now,
+                updated_at=now,
+                worker_id=None,
+                locked_at=None,
+            ),
         )
         return Status.FAILED if updated else None
 
@@ -310,8 +340,11 @@ class JobQueue:
         that its lease was taken over.
         """
         return bool(
-            self._fenced(job_id, Status.RUNNING, attempt).update(
-                locked_at=self.lease_clock.now(), updated_at=self.clock.now()
+            self._fenced_update(
+                job_id,
+                Status.RUNNING,
+                attempt,
+                {"locked_at": self.lease_clock.now(), "updated_at": self.clock.now()},
             )
         )
 

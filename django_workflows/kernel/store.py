@@ -10,8 +10,6 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from django.db.models import F
-
 from ..annotations import AnnotationInput
 from ..blobs import BlobNotFoundError, output_key
 from ..definition.workflow import StageNode, Workflow
@@ -24,6 +22,7 @@ from ..models import (
 )
 from ..ports import BlobStore
 from . import events as ev
+from . import rows
 
 logger = logging.getLogger("django_workflows")
 
@@ -35,22 +34,22 @@ def duration_ms(start: datetime | None, end: datetime) -> int | None:
 
 def update_run(run_id: uuid.UUID, now: datetime, **fields: Any) -> int:
     """Update a run, bumping ``version`` and ``updated_at`` (DM-5, DM-8)."""
-    return WorkflowRun.objects.filter(pk=run_id).update(
-        version=F("version") + 1, updated_at=now, **fields
-    )
+    return rows.update(WorkflowRun, run_id, {"updated_at": now, **fields}, bump_version=True)
 
 
 def update_stage(stage_pk: uuid.UUID, now: datetime, **fields: Any) -> int:
     """Update a stage record, bumping ``version`` and ``updated_at`` (DM-5, DM-8)."""
-    return WorkflowStage.objects.filter(pk=stage_pk).update(
-        version=F("version") + 1, updated_at=now, **fields
-    )
+    return rows.update(WorkflowStage, stage_pk, {"updated_at": now, **fields}, bump_version=True)
 
 
 def stages_of(run_id: uuid.UUID) -> list[WorkflowStage]:
     """The run's stage records ordered by group then stage number (DM-32)."""
-    return list(
-        WorkflowStage.objects.filter(run_id=run_id).order_by("execution_group", "stage_number")
+    return rows.select(
+        WorkflowStage,
+        "stages_of",
+        "run_id = %s",
+        [rows.prep(WorkflowStage, "run_id", run_id)],
+        order_by="execution_group ASC, stage_number ASC",
     )
 
 
@@ -68,11 +67,12 @@ def create_missing_stages(
     """
     ids = {n.stage.id for n in nodes}
     if records is None:
-        records = WorkflowStage.objects.filter(run_id=run.pk, stage_id__in=ids)
+        records = stages_of(run.pk)
     existing = {s.stage_id: s for s in records if s.stage_id in ids}
     config = run.config or {}
     new = [
-        WorkflowStage(
+        rows.new(
+            WorkflowStage,
             created_at=now,
             updated_at=now,
             run_id=run.pk,
@@ -87,7 +87,7 @@ def create_missing_stages(
         for n in nodes
         if n.stage.id not in existing
     ]
-    WorkflowStage.objects.bulk_create(new)
+    rows.insert(new)
     existing.update({s.stage_id: s for s in new})
     return [existing[n.stage.id] for n in nodes]
 

@@ -1,0 +1,382 @@
+"""Row reads and writes of the stage path without the query compiler (issue 7: worker CPU).
+
+A trivial stage spends most of its worker CPU building and compiling ORM querysets, not in the
+database: an ORM ``filter(pk=...)`` read costs about 13 times a raw ``SELECT`` of the same row.
+The statements every stage runs - lock the run, lease and settle its job, update its stage
+record, upsert its output blob, insert the next group's records and jobs, append its events,
+read the stage records and outputs - are therefore written here as SQL built once per *shape*
+(model, columns, filter) and cached, and run through Django's cursor, so they stay inside the
+caller's transaction and are counted like any other query.
+
+Values go in as the ORM would send them: each is prepared by its model field
+(``field.get_db_prep_save(value, connection)``: UUIDs, datetimes, JSON columns). A value that is
+an expression is compiled by Django's compiler for that statement (``Now()``, lease time, is
+cached per database because it is on every lease; anything else, such as ``F("x") + 1``, is
+compiled each time). Rows come back as the ORM would build them: every column through the
+converters Django's compiler would apply (JSON decoded; on SQLite datetimes, UUIDs, floats),
+then set on an instance made without ``Model.__init__`` (no ``pre_init``/``post_init``
+signals: no receiver is connected to the engine's models), marked as loaded from the database.
+
+Only the shapes the stage path needs are here; everything else stays on the ORM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
+
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.models import Model
+from django.db.models.base import ModelState
+from django.db.models.functions import Now
+from django.db.models.sql import Query
+
+M = TypeVar("M", bound=Model)
+
+_shapes: dict[tuple[Any, ...], Any] = {}
+
+#: Values of these Python types need no preparation for fields of these internal types
+#: (``get_db_prep_save`` would return them unchanged); ``None`` is always written as ``NULL``.
+_AS_IS = {
+    "CharField": str,
+    "TextField": str,
+    "IntegerField": int,
+    "BigIntegerField": int,
+    "PositiveIntegerField": int,
+    "PositiveBigIntegerField": int,
+    "BigAutoField": int,
+    "AutoField": int,
+    "FloatField": float,
+}
+
+
+def _conn() -> Any:
+    """The default connection itself (``django.db.connection`` is a proxy that looks it up on
+    every attribute access).
+    """
+    return connections[DEFAULT_DB_ALIAS]
+
+
+def _q(name: str) -> str:
+    return _conn().ops.quote_name(name)
+
+
+def _writable(fields: Iterable[Any]) -> list[tuple[Any, str, type | None, str]]:
+    """``(field, attname, type written as is, quoted column)`` per field; see :data:`_AS_IS`."""
+    return [(f, f.attname, _AS_IS.get(f.get_internal_type()), _q(f.column)) for f in fields]
+
+
+def _write_value(
+    model: type[Model], field: Any, as_is: type | None, value: Any, params: list[Any], conn: Any
+) -> str:
+    """The SQL for one value written to ``field`` that is neither ``None`` nor written as is
+    (see the callers); its parameters are appended to ``params``.
+    """
+    if hasattr(value, "resolve_expression"):
+        if type(value) is Now:
+            return now_sql()
+        sql, value_params = _compile(model, value)
+        params += value_params
+        return sql
+    params.append(field.get_db_prep_save(value, conn))
+    return "%s"
+
+
+def _compile(model: type[Model], value: Any) -> tuple[str, list[Any]]:
+    """SQL and params of an expression value, as ``QuerySet.update`` would compile it."""
+    query = Query(model)
+    compiler = query.get_compiler(connection=_conn())
+    expr = value.resolve_expression(query, allow_joins=False, for_save=True)
+    sql, params = compiler.compile(expr)
+    return sql, list(params)
+
+
+def now_sql() -> str:
+    """``Now()`` (lease time, the database's clock) as Django renders it on this database:
+    PostgreSQL ``STATEMENT_TIMESTAMP()``, SQLite ``STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f',
+    'NOW')`` (``%`` doubled for the cursor's parameter style).
+    """
+    key = ("now", _conn().vendor)
+    sql = _shapes.get(key)
+    if sql is None:
+        from ..models import WorkflowJob
+
+        sql, params = _compile(WorkflowJob, Now())
+        assert not params
+        _shapes[key] = sql
+    return sql
+
+
+# --- Reads --------------------------------------------------------------------------------------
+
+
+def _reader(model: type[Model]) -> tuple[str, list[str], list[tuple[int, list[Any]]]]:
+    """``(column list SQL, attnames, [(index, converters)])`` for all concrete fields."""
+    connection = _conn()
+    key = ("reader", connection.vendor, model)
+    shape = _shapes.get(key)
+    if shape is None:
+        table = model._meta.db_table
+        fields = model._meta.concrete_fields
+        columns = ", ".join(f"{_q(table)}.{_q(f.column)}" for f in fields)
+        converters = []
+        for i, f in enumerate(fields):
+            col = f.get_col(table)
+            found = connection.ops.get_db_converters(col) + col.get_db_converters(connection)
+            if found:
+                converters.append((i, found))
+        shape = _shapes[key] = (columns, [f.attname for f in fields], converters)
+    return shape
+
+
+def _build(
+    model: type[M], attnames: list[str], converters: Any, row: Sequence[Any], connection: Any
+) -> M:
+    values = list(row)
+    for i, funcs in converters:
+        value = values[i]
+        for func in funcs:
+            value = func(value, None, connection)
+        values[i] = value
+    obj = model.__new__(model)
+    obj.__dict__.update(zip(attnames, values, strict=True))
+    state = obj._state = ModelState()
+    state.adding = False
+    state.db = connection.alias
+    return obj
+
+
+def select(
+    model: type[M],
+    key: str,
+    where: str,
+    params: Sequence[Any],
+    *,
+    order_by: str = "",
+    limit: int | None = None,
+    lock: str = "",
+) -> list[M]:
+    """Instances of ``model`` for ``SELECT <all columns> FROM <table> WHERE <where>``.
+
+    ``key`` names the statement's shape (the SQL is built once per key and database);
+    ``where``/``order_by`` use the table's column names; ``params`` must already be prepared
+    (:func:`prep`). ``lock``: ``""``, ``"update"`` (``FOR UPDATE``) or ``"skip"``
+    (``FOR UPDATE SKIP LOCKED``); ignored where the database has no row locks (SQLite, where
+    the ``IMMEDIATE`` transaction already holds the write lock).
+    """
+    connection = _conn()
+    columns, attnames, converters = _reader(model)
+    skey = ("select", connection.vendor, model, key)
+    sql = _shapes.get(skey)
+    if sql is None:
+        sql = f"SELECT {columns} FROM {_q(model._meta.db_table)} WHERE {where}"
+        if order_by:
+            sql += f" ORDER BY {order_by}"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        if lock and connection.features.has_select_for_update:
+            sql += " FOR UPDATE"
+            if lock == "skip" and connection.features.has_select_for_update_skip_locked:
+                sql += " SKIP LOCKED"
+        _shapes[skey] = sql
+    with connection.cursor() as cursor:
+        cursor.execute(sql, list(params))
+        rows = cursor.fetchall()
+    return [_build(model, attnames, converters, row, connection) for row in rows]
+
+
+def prep(model: type[Model], name: str, value: Any) -> Any:
+    """``value`` prepared for a query parameter compared with ``model.name``."""
+    return model._meta.get_field(name).get_db_prep_value(value, _conn(), prepared=False)
+
+
+def column_values(
+    model: type[Model], columns: Sequence[str], key_column: str, keys: Sequence[Any]
+) -> list[tuple[Any, ...]]:
+    """``SELECT <columns> WHERE <key_column> IN (keys)``, each value converted as the ORM's
+    ``values_list`` would.
+    """
+    if not keys:
+        return []
+    connection = _conn()
+    meta = model._meta
+    table = meta.db_table
+    fields = [meta.get_field(c) for c in columns]
+    skey = ("values", connection.vendor, model, tuple(columns), key_column)
+    shape = _shapes.get(skey)
+    if shape is None:
+        converters = []
+        for i, f in enumerate(fields):
+            col = f.get_col(table)
+            found = connection.ops.get_db_converters(col) + col.get_db_converters(connection)
+            if found:
+                converters.append((i, found))
+        head = (
+            f"SELECT {', '.join(_q(f.column) for f in fields)} FROM {_q(table)} "
+            f"WHERE {_q(meta.get_field(key_column).column)} IN "
+        )
+        shape = _shapes[skey] = (head, converters)
+    head, converters = shape
+    key_field = meta.get_field(key_column)
+    params = [key_field.get_db_prep_value(k, connection, prepared=False) for k in keys]
+    with connection.cursor() as cursor:
+        cursor.execute(head + "(" + ", ".join(["%s"] * len(params)) + ")", params)
+        rows = cursor.fetchall()
+    out = []
+    for row in rows:
+        values = list(row)
+        for i, funcs in converters:
+            for func in funcs:
+                values[i] = func(values[i], None, connection)
+        out.append(tuple(values))
+    return out
+
+
+# --- Writes -------------------------------------------------------------------------------------
+
+
+def update(
+    model: type[Model],
+    pk: Any,
+    values: dict[str, Any],
+    *,
+    where: dict[str, Any] | None = None,
+    bump_version: bool = False,
+) -> int:
+    """``UPDATE <table> SET <values> WHERE pk = ? [AND col = ? ...]``; returns the row count.
+
+    ``values``: field names to new values (prepared by their fields; expressions compiled).
+    ``where``: further equality conditions (the fence: ``status``, ``attempt``).
+    ``bump_version``: also ``version = version + 1`` (DM-5).
+    """
+    connection = _conn()
+    meta = model._meta
+    where = where or {}
+    skey = ("update", connection.vendor, model, tuple(values), tuple(where), bump_version)
+    shape = _shapes.get(skey)
+    if shape is None:
+        fields = _writable(meta.get_field(name) for name in values)
+        conds = [meta.pk] + [meta.get_field(name) for name in where]
+        prefix = f"UPDATE {_q(meta.db_table)} SET "
+        if bump_version:
+            prefix += f"{_q('version')} = {_q('version')} + 1, "
+        tail = " WHERE " + " AND ".join(f"{_q(f.column)} = %s" for f in conds)
+        shape = _shapes[skey] = (prefix, fields, conds, tail)
+    prefix, fields, conds, tail = shape
+    sets: list[str] = []
+    params: list[Any] = []
+    for (field, _, as_is, column), value in zip(fields, values.values(), strict=True):
+        # None is written as NULL in the SQL text (psycopg's client-side binding renders it so
+        # anyway), which keeps the parameter lists short; plain values need no preparation.
+        if value is None:
+            sets.append(column + " = NULL")
+        elif type(value) is as_is or (as_is is str and isinstance(value, str)):
+            sets.append(column + " = %s")
+            params.append(value)
+        else:
+            sets.append(
+                column + " = " + _write_value(model, field, as_is, value, params, connection)
+            )
+    for field, value in zip(conds, (pk, *where.values()), strict=True):
+        params.append(field.get_db_prep_value(value, connection, prepared=False))
+    with connection.cursor() as cursor:
+        cursor.execute(prefix + ", ".join(sets) + tail, params)
+        return cursor.rowcount
+
+
+def new(model: type[M], **values: Any) -> M:
+    """An unsaved instance without ``Model.__init__``: every concrete field set from
+    ``values`` (attnames) or its default. Cheaper than ``Model(**values)`` for wide rows.
+    """
+    obj = model.__new__(model)
+    d = obj.__dict__
+    for field in model._meta.concrete_fields:
+        name = field.attname
+        d[name] = values.pop(name) if name in values else field.get_default()
+    if values:
+        raise TypeError(f"{model.__name__} has no fields {sorted(values)}")
+    obj._state = ModelState()
+    return obj
+
+
+def insert(
+    objs: Sequence[Model],
+    *,
+    on_conflict: tuple[Sequence[str], Sequence[str]] | None = None,
+) -> None:
+    """``INSERT`` the instances (one statement), like ``bulk_create``: an auto-increment
+    primary key that is unset is left to the database and read back with ``RETURNING``
+    (PostgreSQL, SQLite >= 3.35) into the instances; they are then marked as saved.
+
+    ``on_conflict``: ``(unique_fields, update_fields)`` for an upsert
+    (``ON CONFLICT (...) DO UPDATE SET x = EXCLUDED.x``).
+    """
+    if not objs:
+        return
+    connection = _conn()
+    model = type(objs[0])
+    meta = model._meta
+    auto = meta.pk if getattr(meta.pk, "db_returning", False) else None  # AutoField
+    returning = auto is not None and getattr(objs[0], meta.pk.attname) is None
+    skey = ("insert", connection.vendor, model, returning, _freeze(on_conflict))
+    shape = _shapes.get(skey)
+    if shape is None:
+        columns = [f for f in meta.concrete_fields if not (returning and f is meta.pk)]
+        fields = _writable(columns)
+        head = (
+            f"INSERT INTO {_q(meta.db_table)} ({', '.join(_q(f.column) for f in columns)}) VALUES "
+        )
+        tail = ""
+        if on_conflict is not None:
+            unique, updates = on_conflict
+            tail += (
+                f" ON CONFLICT({', '.join(_q(meta.get_field(u).column) for u in unique)})"
+                " DO UPDATE SET "
+                + ", ".join(
+                    f"{_q(meta.get_field(u).column)} = EXCLUDED.{_q(meta.get_field(u).column)}"
+                    for u in updates
+                )
+            )
+        if returning:
+            if not connection.features.can_return_rows_from_bulk_insert:
+                raise NotImplementedError("INSERT ... RETURNING is not available")
+            tail += f" RETURNING {_q(meta.pk.column)}"
+        shape = _shapes[skey] = (head, fields, tail)
+    head, fields, tail = shape
+    groups: list[str] = []
+    params: list[Any] = []
+    for obj in objs:
+        d = obj.__dict__
+        marks = []
+        for field, attname, as_is, _ in fields:
+            value = d[attname]
+            if value is None:  # as in update()
+                marks.append("NULL")
+            elif type(value) is as_is or (as_is is str and isinstance(value, str)):
+                marks.append("%s")
+                params.append(value)
+            else:
+                marks.append(_write_value(model, field, as_is, value, params, connection))
+        groups.append("(" + ", ".join(marks) + ")")
+    with connection.cursor() as cursor:
+        cursor.execute(head + ", ".join(groups) + tail, params)
+        ids = cursor.fetchall() if returning else None
+    if ids is not None:
+        assert auto is not None
+        for obj, (pk,) in zip(objs, ids, strict=True):
+            setattr(obj, auto.attname, pk)
+    for obj in objs:
+        obj._state.adding = False
+        obj._state.db = connection.alias
+
+
+def _freeze(on_conflict: tuple[Sequence[str], Sequence[str]] | None) -> Any:
+    return None if on_conflict is None else (tuple(on_conflict[0]), tuple(on_conflict[1]))
+
+
+def ids_clause(column: str, ids: Iterable[Any]) -> tuple[str, list[Any]]:
+    """``column NOT IN (%s, ...)`` for a non-empty list of ids (``("", [])`` when empty)."""
+    ids = list(ids)
+    if not ids:
+        return "", []
+    return f" AND {_q(column)} NOT IN ({', '.join(['%s'] * len(ids))})", ids
