@@ -34,10 +34,11 @@ FLUSH_LEASE = "outbox-flush"
 FLUSH_LEASE_SECONDS = 30.0
 #: Events published per pass while the flusher holds the lease.
 FLUSH_BATCH = 500
-#: How long the flusher waits after a wake-up, so one pass covers a burst of commits.
-COALESCE_SECONDS = 0.02
+#: How long the flusher waits after a wake-up, so one pass covers a burst of commits (a
+#: busy worker commits every few milliseconds; each pass costs a handful of statements).
+COALESCE_SECONDS = 0.1
 #: How often a flusher retries while another holds the lease and events are waiting.
-RETRY_SECONDS = 0.2
+RETRY_SECONDS = 0.25
 
 
 def flush_outbox(kernel: Kernel, owner: str, *, max_events: int = FLUSH_BATCH) -> int | None:
@@ -113,7 +114,7 @@ class Flusher:
 
 #: Retries of a flusher that finds the lease held (``RETRY_SECONDS`` apart) before it leaves
 #: the rest to the next wake-up or tick.
-MAX_BUSY_PASSES = 25
+MAX_BUSY_PASSES = 8
 
 
 def _unpublished_waiting() -> bool:
