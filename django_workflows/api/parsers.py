@@ -95,4 +95,13 @@ class StrictJSONParser(BaseParser):
         error = json_depth_error(data, int(workflow_settings.API_MAX_JSON_DEPTH))
         if error:
             raise APIError(error, code="too_deep", errors={"(root)": [error]})
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            # JSON's \ud800-style escapes can name a lone surrogate, which no text column
+            # (and no UTF-8 response) can hold.
+            raise ParseError(
+                "JSON parse error - the body contains a lone UTF-16 surrogate escape "
+                "(such as \\ud800), which is not a Unicode character"
+            ) from None
         return data

@@ -98,7 +98,25 @@ class AnnotationIdField(serializers.Field):
 # --- request bodies ---------------------------------------------------------------------------
 
 
-class ActorSerializer(serializers.Serializer):
+class BodySerializer(serializers.Serializer):
+    """A request body: a member it does not know is an error naming it (a typo such as
+    ``confg`` must not be ignored silently).
+    """
+
+    def to_internal_value(self, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(self.fields))
+            if unknown:
+                raise serializers.ValidationError(
+                    {
+                        name: ["unknown field; expected one of " + ", ".join(self.fields)]
+                        for name in unknown
+                    }
+                )
+        return super().to_internal_value(data)
+
+
+class ActorSerializer(BodySerializer):
     """Who wrote an annotation: ``{"kind", "id", "version"}`` (any subset)."""
 
     kind = StrictCharField(max_length=64, required=False, allow_null=True)
@@ -106,7 +124,7 @@ class ActorSerializer(serializers.Serializer):
     version = StrictCharField(max_length=64, required=False, allow_null=True)
 
 
-class AnnotationEnvelopeSerializer(serializers.Serializer):
+class AnnotationEnvelopeSerializer(BodySerializer):
     """Annotations written with a new run (run scope): attributes share the envelope."""
 
     attributes = JSONObjectField(help_text="{key: JSON value}; null values are dropped")
@@ -116,7 +134,7 @@ class AnnotationEnvelopeSerializer(serializers.Serializer):
     emit_event = StrictBooleanField(required=False, default=False)
 
 
-class CreateRunSerializer(serializers.Serializer):
+class CreateRunSerializer(BodySerializer):
     """``POST runs/``. The ``Idempotency-Key`` header makes a retry safe."""
 
     workflow_id = StrictCharField(max_length=200)
@@ -130,16 +148,16 @@ class CreateRunSerializer(serializers.Serializer):
     annotations = AnnotationEnvelopeSerializer(many=True, required=False, max_length=100)
 
 
-class CancelSerializer(serializers.Serializer):
+class CancelSerializer(BodySerializer):
     reason = StrictCharField(max_length=2000, required=False, allow_null=True, allow_blank=True)
 
 
-class RerunSerializer(serializers.Serializer):
+class RerunSerializer(BodySerializer):
     from_stage_id = StrictCharField(max_length=200)
     idempotency_key = StrictCharField(max_length=255, required=False, allow_null=True)
 
 
-class ApproveSerializer(serializers.Serializer):
+class ApproveSerializer(BodySerializer):
     comment = StrictCharField(max_length=10_000, required=False, allow_null=True, allow_blank=True)
     stage_id = StrictCharField(
         max_length=200, required=False, allow_null=True, help_text="when several approvals wait"
@@ -147,7 +165,7 @@ class ApproveSerializer(serializers.Serializer):
     policy_version = StrictCharField(max_length=200, required=False, allow_null=True)
 
 
-class RejectSerializer(serializers.Serializer):
+class RejectSerializer(BodySerializer):
     reason = StrictCharField(max_length=10_000, required=False, allow_null=True, allow_blank=True)
     stage_id = StrictCharField(
         max_length=200, required=False, allow_null=True, help_text="when several approvals wait"
@@ -155,7 +173,7 @@ class RejectSerializer(serializers.Serializer):
     policy_version = StrictCharField(max_length=200, required=False, allow_null=True)
 
 
-class CreateAnnotationSerializer(serializers.Serializer):
+class CreateAnnotationSerializer(BodySerializer):
     """``POST runs/{id}/annotations/``; ``actor`` defaults to the authenticated user."""
 
     attributes = JSONObjectField(help_text="{key: JSON value}; null values are dropped")

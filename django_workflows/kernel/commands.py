@@ -104,6 +104,16 @@ class CreateRun:
             )
 
 
+def _annotation_request(specs: Any) -> list[Any]:
+    """Run-creation annotations as comparable data (validated; typed keys as their strings)."""
+    from .annotations import inputs_from_specs
+
+    return [
+        [i.key, i.value, i.actor, i.payload, i.idempotency_key, i.emit_event]
+        for i in inputs_from_specs(specs)
+    ]
+
+
 def fingerprint(value: Any) -> str:
     """A stable SHA-256 of a JSON value (object keys sorted; Django's JSON encoder)."""
     import hashlib
@@ -118,8 +128,8 @@ def fingerprint(value: Any) -> str:
 @dataclass
 class CreateRunResult(Result):
     """``request``: what the run was created from - ``workflow_id``, ``priority`` and
-    fingerprints of the given ``input`` and ``config`` - so a replay of the key with another
-    request is refused.
+    fingerprints of the given ``input``, ``config`` and ``annotations`` - so a replay of the
+    key with another request is refused.
     """
 
     workflow_run_id: str
@@ -133,6 +143,7 @@ class CreateRunResult(Result):
             "input": fingerprint(command.input),
             "config": fingerprint(command.config or {}),
             "priority": str(command.priority),
+            "annotations": fingerprint(_annotation_request(command.annotations)),
         }
 
     def mismatch(self, command: Any) -> str | None:
@@ -144,9 +155,9 @@ class CreateRunResult(Result):
                 f"workflow {self.request.get('workflow_id')!r} (this request names "
                 f"{command.workflow_id!r})"
             )
-        for part in ("input", "config", "priority"):
+        for part in ("input", "config", "priority", "annotations"):
             if part in self.request and given[part] != self.request[part]:
-                return f"another {part}"
+                return "other annotations" if part == "annotations" else f"another {part}"
         return None
 
 
@@ -233,9 +244,9 @@ class RerunFromResult(Result):
 
     def mismatch(self, command: Any) -> str | None:
         if str(self.workflow_run_id) != str(command.workflow_run_id):
-            return f"run {self.workflow_run_id}"
+            return f"another run (this request names {command.workflow_run_id})"
         if self.from_stage_id != command.from_stage_id:
-            return f"stage {self.from_stage_id!r}"
+            return f"another stage (this request names {command.from_stage_id!r})"
         return None
 
 

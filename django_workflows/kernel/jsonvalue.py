@@ -22,35 +22,60 @@ def storable_json_error(value: Any) -> str | None:
         return f"{exc} (NaN and Infinity are not JSON)"
     except TypeError as exc:
         return str(exc)
-    path = _nul_path(value, "")
-    if path is not None:
-        where = f"{path} " if path else ""
-        return f"{where}contains a NUL character (\\u0000), which cannot be stored"
+    found = _bad_text(value, "")
+    if found is not None:
+        path, problem = found
+        where = f"{storable_text(path)} " if path else ""
+        return f"{where}contains {problem}, which cannot be stored"
     return None
 
 
-def _nul_path(value: Any, path: str) -> str | None:
+_NUL = "a NUL character (\\u0000)"
+_SURROGATE = "a lone UTF-16 surrogate (such as \\ud800)"
+
+
+def _text_problem(text: str) -> str | None:
+    if "\x00" in text:
+        return _NUL
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATE
+    return None
+
+
+def _bad_text(value: Any, path: str) -> tuple[str, str] | None:
+    """The path of the first string (or key) a text column cannot hold, and why."""
     if isinstance(value, str):
-        return path if "\x00" in value else None
+        problem = _text_problem(value)
+        return (path, problem) if problem else None
     if isinstance(value, dict):
         for key, item in value.items():
             sub = f"{path}.{key}" if path else str(key)
-            if "\x00" in str(key):
-                return sub
-            found = _nul_path(item, sub)
+            problem = _text_problem(str(key))
+            if problem:
+                return sub, problem
+            found = _bad_text(item, sub)
             if found is not None:
                 return found
     elif isinstance(value, list | tuple):
         for index, item in enumerate(value):
-            found = _nul_path(item, f"{path}.{index}" if path else str(index))
+            found = _bad_text(item, f"{path}.{index}" if path else str(index))
             if found is not None:
                 return found
     return None
 
 
 def storable_text(text: str) -> str:
-    """``text`` with NUL characters made visible, so it can be stored in a text column."""
-    return text.replace("\x00", "\\x00")
+    """``text`` with NUL characters and lone surrogates made visible, so it can be stored in a
+    text column (and sent as UTF-8).
+    """
+    text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def json_type(value: Any) -> str:

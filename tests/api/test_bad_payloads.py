@@ -187,3 +187,38 @@ def test_bad_list_queries(client: Any, params: dict[str, str]) -> None:
         assert response.json()["results"] == []
         return
     _assert_refused(response)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"workflow_id": "api-two-stage", "input": {"value": 1, "x": "\\ud800"}}',
+        b'{"workflow_id": "api-two-stage", "input": {"value": 1},'
+        b' "annotations": [{"attributes": {"\\udfff": 1}}]}',
+        b'{"workflow_id": "api-two-stage\\ud800", "input": {"value": 1}}',
+    ],
+)
+def test_lone_surrogate_escapes_are_refused_as_json_and_change_nothing(
+    client: Any, raw: bytes
+) -> None:
+    """A ``\\ud800`` escape is valid JSON syntax but names no Unicode character: no text
+    column or UTF-8 response can hold it. It is a 400 parse error (never a 500, never a
+    half-written run)."""
+    before = row_counts()
+    response = client.post(f"{API}runs/", raw, content_type="application/json")
+    _assert_refused(response)
+    assert "surrogate" in response.json()["message"]
+    assert row_counts() == before
+
+
+def test_an_unknown_body_member_is_refused_naming_it(client: Any) -> None:
+    """A typo in a body member (``confg``) is a 400 naming the member, not silently ignored."""
+    before = row_counts()
+    response = client.post(
+        f"{API}runs/",
+        json.dumps({"workflow_id": "api-two-stage", "input": {"value": 1}, "confg": {}}),
+        content_type="application/json",
+    )
+    _assert_refused(response)
+    assert "confg" in response.json()["errors"]
+    assert row_counts() == before

@@ -308,6 +308,7 @@ def test_key_store_stale_reclaim_rules(clock: FakeClock) -> None:
         ({"input": {"value": 2}}, "another input"),
         ({"config": {"add-1": {}}}, "another config"),
         ({"priority": 9}, "another priority"),
+        ({"annotations": ({"attributes": {"acme.x": 1}},)}, "other annotations"),
     ],
 )
 def test_replaying_a_key_with_another_request_is_refused_naming_the_key(
