@@ -3,11 +3,14 @@ list their annotations."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .kernel.annotations import AnnotationRecord, AttachResult
 from .kernel.commands import AnnotationSpec, CancelRun, CreateRun, RerunFrom
 from .kernel.runtime import get_kernel
+
+if TYPE_CHECKING:
+    from .models import WorkflowRun, WorkflowStage
 
 
 def start_run(
@@ -76,3 +79,25 @@ def list_annotations(run_id: Any, **filters: Any) -> list[AnnotationRecord]:
     ``actor_kind``, ``attempt``, ``since``, ``until``, ``limit`` (default 1000).
     """
     return get_kernel().annotations.list(run_id, **filters)
+
+
+def run_error(run: WorkflowRun, stages: list[WorkflowStage] | None = None) -> str | None:
+    """The error of a run: ``output["error"]`` (claim failure, stuck reaping) or, for a FAILED
+    run, the ``error_message`` of its first failed stage; ``None`` when there is none.
+    """
+    output = run.output if isinstance(run.output, dict) else {}
+    error = output.get("error")
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])
+    if isinstance(error, str) and error:
+        return error
+    from .models import Status, WorkflowStage
+
+    if run.status != Status.FAILED:
+        return None
+    if stages is None:
+        stages = list(WorkflowStage.objects.filter(run=run))
+    for record in sorted(stages, key=lambda s: (s.execution_group, s.stage_number)):
+        if record.status == Status.FAILED and record.error_message:
+            return f"stage {record.stage_id}: {record.error_message}"
+    return None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterable
 from typing import Any
 
 from django.db import InterfaceError, OperationalError, connection
@@ -47,6 +46,7 @@ from ..models import (
     WorkflowRun,
     WorkflowStage,
 )
+from ..runs import run_error
 from . import serializers as s
 from .errors import APIError, RunNotFound, error_body, exception_handler, kernel_error
 from .pagination import RunCursorPagination
@@ -456,21 +456,6 @@ def _waiting(
     return out
 
 
-def _run_error(run: WorkflowRun, stages: Iterable[WorkflowStage]) -> str | None:
-    output = run.output if isinstance(run.output, dict) else {}
-    error = output.get("error")
-    if isinstance(error, dict) and error.get("message"):
-        return str(error["message"])
-    if isinstance(error, str) and error:
-        return error
-    if run.status != Status.FAILED:
-        return None
-    for record in stages:
-        if record.status == Status.FAILED and record.error_message:
-            return f"stage {record.stage_id}: {record.error_message}"
-    return None
-
-
 class RunDetailView(WorkflowsAPIView):
     required_permissions = {"GET": ["view_workflowrun"]}
 
@@ -509,7 +494,7 @@ class RunDetailView(WorkflowsAPIView):
             input=run.input,
             config=run.config,
             output=run.output,
-            error=_run_error(run, stages),
+            error=run_error(run, list(stages)),
             stages=[
                 {
                     "stage_id": st.stage_id,

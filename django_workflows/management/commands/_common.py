@@ -17,7 +17,9 @@ from django.core.management.base import CommandError
 
 from django_workflows.kernel.errors import InvalidCommandError
 from django_workflows.kernel.locking import parse_run_id
-from django_workflows.models import Status, WorkflowRun, WorkflowStage
+from django_workflows.models import WorkflowRun
+
+from ...runs import run_error as run_error  # shared with the HTTP API
 
 
 def parse_run_id_argument(value: Any) -> uuid.UUID:
@@ -35,26 +37,6 @@ def get_run(value: Any) -> WorkflowRun:
     if run is None:
         raise CommandError(f"Workflow run {run_id} not found")
     return run
-
-
-def run_error(run: WorkflowRun, stages: list[WorkflowStage] | None = None) -> str | None:
-    """The error of a run: ``output["error"]`` (claim failure, stuck reaping) or, for a FAILED
-    run, the ``error_message`` of its first failed stage; ``None`` when there is none.
-    """
-    output = run.output if isinstance(run.output, dict) else {}
-    error = output.get("error")
-    if isinstance(error, dict) and error.get("message"):
-        return str(error["message"])
-    if isinstance(error, str) and error:
-        return error
-    if run.status != Status.FAILED:
-        return None
-    if stages is None:
-        stages = list(WorkflowStage.objects.filter(run=run))
-    for record in sorted(stages, key=lambda s: (s.execution_group, s.stage_number)):
-        if record.status == Status.FAILED and record.error_message:
-            return f"stage {record.stage_id}: {record.error_message}"
-    return None
 
 
 def format_duration_ms(value: int | None) -> str:
