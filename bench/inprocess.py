@@ -2,7 +2,7 @@
 
 Run inside the example project on a fresh, migrated database (``manage.py shell -c``, see
 ``bench.sections``). One warm-up run of ``bench-4`` is driven first (imports, caches, parsed
-plans), then one measured run, job by job.
+plans), then one measured run as one worker drives it.
 
 How it counts (the same on PostgreSQL and SQLite):
 
