@@ -32,11 +32,11 @@ MAX_QUERIES = 8
 
 INSERT = """
 INSERT INTO workflow_runs (id, created_at, updated_at, version, workflow_id, workflow_name,
-    workflow_type, status, input, config, total_cost, total_tokens, priority)
+    workflow_type, status, input, config, total_cost, total_tokens, priority, event_sequence)
 SELECT gen_random_uuid(), now() - (i * interval '1 second'), now(), 1,
     CASE WHEN i %% 10 = 0 THEN 'api-fails' ELSE 'api-two-stage' END, 'bulk', 'bulk',
     CASE WHEN i %% 100 = 0 THEN 'RUNNING' WHEN i %% 10 = 0 THEN 'FAILED' ELSE 'COMPLETED' END,
-    '{"value": 1}'::jsonb, '{}'::jsonb, 0, 0, 5
+    '{"value": 1}'::jsonb, '{}'::jsonb, 0, 0, 5, 0
 FROM generate_series(1, %s) AS i
 """
 
