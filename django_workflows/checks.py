@@ -72,7 +72,16 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     q = getattr(settings, "Q_CLUSTER", None) or {}
     if q and "django_q" in settings.INSTALLED_APPS:
         timeout, retry = q.get("timeout"), q.get("retry", 60)
-        if timeout is not None and retry is not None and retry <= timeout:
+        if timeout is None:
+            messages.append(
+                Warning(
+                    "Q_CLUSTER['timeout'] is not set: django-q2 then never stops a task, but "
+                    f"delivers any task still running after Q_CLUSTER['retry'] ({retry} s) a "
+                    "second time; set timeout above your longest stage and retry above timeout",
+                    id="django_workflows.W001",
+                )
+            )
+        elif retry is not None and retry <= timeout:
             messages.append(
                 Warning(
                     "Q_CLUSTER['retry'] should be larger than Q_CLUSTER['timeout'], or django-q2 "

@@ -134,10 +134,13 @@ class Workflow:
         return self.input_model.model_validate(raw)
 
     def input_errors(self, raw: Any) -> str | None:
+        """Why ``raw`` is not a valid input of this workflow, or ``None``."""
         try:
             self.parse_input(raw)
         except ValidationError as exc:
             return format_validation_error(exc)
+        except RecursionError:
+            return "the input is nested too deeply (more than about 900 levels)"
         return None
 
     def __repr__(self) -> str:

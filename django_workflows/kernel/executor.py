@@ -25,7 +25,7 @@ from ..definition.results import (
 )
 from ..definition.stage import Stage, format_validation_error
 from ..definition.workflow import Workflow
-from .jsonvalue import storable_json_error, storable_text
+from .jsonvalue import TOO_DEEP, storable_json_error, storable_text
 
 
 @dataclass
@@ -184,9 +184,17 @@ class LocalExecutor:
             )
             outcome.retryable = False
         except Exception as exc:
-            outcome.error = error_text(exc)
-            non_retryable = isinstance(exc, ValidationError | AnnotationError)
-            outcome.retryable = False if non_retryable else None
+            if _too_deep(exc):
+                # Retrying cannot help: the same value comes back on every delivery.
+                outcome.error = (
+                    f"StorageError: stage {stage.id!r} returned a value that {TOO_DEEP} "
+                    f"({error_text(exc)})"
+                )
+                outcome.retryable = False
+            else:
+                outcome.error = error_text(exc)
+                non_retryable = isinstance(exc, ValidationError | AnnotationError)
+                outcome.retryable = False if non_retryable else None
         if ctx is not None:
             outcome.progress = list(ctx.progress_events)
             outcome.annotations = list(ctx.annotations)
@@ -225,6 +233,13 @@ def ensure_storable(stage: Stage, outcome: ExecutionOutcome) -> ExecutionOutcome
     if outcome.error is not None:
         outcome.error = storable_text(outcome.error)
     return outcome
+
+
+def _too_deep(exc: BaseException) -> bool:
+    """A value nested deeper than Python (or pydantic's serializer) can walk."""
+    return isinstance(exc, RecursionError) or (
+        isinstance(exc, ValueError) and "serialization depth" in str(exc)
+    )
 
 
 class _StageInputError(Exception):

@@ -13,16 +13,28 @@ from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
 
+#: Why a value nested deeper than Python's recursion allows cannot be stored.
+TOO_DEEP = "is nested too deeply to store (more than about 900 levels of arrays and objects)"
+
 
 def storable_json_error(value: Any) -> str | None:
-    """``None`` when ``value`` can be stored as JSON, else why not (naming the path)."""
+    """``None`` when ``value`` can be stored as JSON, else why not (naming the path).
+
+    Never raises: a value nested too deeply to encode is reported (:data:`TOO_DEEP`) instead
+    of raising ``RecursionError`` out of the command or the stage's error handling.
+    """
     try:
         json.dumps(value, cls=DjangoJSONEncoder, allow_nan=False)
     except ValueError as exc:
         return f"{exc} (NaN and Infinity are not JSON)"
     except TypeError as exc:
         return str(exc)
-    found = _bad_text(value, "")
+    except RecursionError:
+        return TOO_DEEP
+    try:
+        found = _bad_text(value, "")
+    except RecursionError:
+        return TOO_DEEP
     if found is not None:
         path, problem = found
         where = f"{storable_text(path)} " if path else ""

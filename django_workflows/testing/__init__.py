@@ -20,6 +20,18 @@ from ..ports import EventSink, JobTransport
 from ..transport.inline import RecordingTransport
 
 
+def _utc(when: datetime) -> datetime:
+    """``when`` in UTC, so ``advance`` is elapsed-time arithmetic (a local zone's wall-clock
+    arithmetic would run backwards across a DST change).
+
+    Raises:
+        ValueError: ``when`` is naive (its zone would be a guess).
+    """
+    if when.tzinfo is None or when.utcoffset() is None:
+        raise ValueError(f"FakeClock needs a zone-aware datetime, got naive {when.isoformat()}")
+    return when.astimezone(UTC)
+
+
 class FakeClock:
     """A clock that only moves when told (Appendix C). Default start 2025-01-01T00:00:00Z.
 
@@ -30,9 +42,10 @@ class FakeClock:
     drives_leases = True
 
     def __init__(self, start: datetime | None = None) -> None:
-        self._now = start or datetime(2025, 1, 1, tzinfo=UTC)
+        self._now = _utc(start or datetime(2025, 1, 1, tzinfo=UTC))
 
     def now(self) -> datetime:
+        """The current fake time, in UTC (the Clock port's promise)."""
         return self._now
 
     def advance(self, seconds: float = 0, **kwargs: float) -> datetime:
@@ -41,7 +54,12 @@ class FakeClock:
         return self._now
 
     def set(self, when: datetime) -> None:
-        self._now = when
+        """Jump to ``when`` (zone-aware; converted to UTC).
+
+        Raises:
+            ValueError: ``when`` is naive.
+        """
+        self._now = _utc(when)
 
 
 class CollectingSink(PluginRunner):
