@@ -106,10 +106,10 @@ Q_CLUSTER = {
     "name": "workflows",
     "orm": "default",
     "workers": int(os.environ.get("Q_WORKERS", "4")),
-    # Longest stage we allow, in seconds; django-q2 kills a task past it.
-    "timeout": 600,
+    # Longest stage we allow, in seconds; django-q2 kills a task past it (Q_TIMEOUT: tests).
+    "timeout": int(os.environ.get("Q_TIMEOUT", "600")),
     # Must exceed timeout, or long tasks are delivered twice (ARCHITECTURE §5).
-    "retry": 660,
+    "retry": int(os.environ.get("Q_RETRY", "660")),
     "max_attempts": 1,
     "save_limit": -1,
     "ack_failures": True,
