@@ -122,6 +122,8 @@ DJANGO_WORKFLOWS = {
     "TICK_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_TICK_INTERVAL", "0.5")),
     "STALE_LEASE_SECONDS": int(os.environ.get("WORKFLOWS_STALE_LEASE_SECONDS", "300")),
     "HEARTBEAT_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_HEARTBEAT_SECONDS", "30")),
+    # Test hook: below Q_TIMEOUT when a test shortens django-q2's timeout.
+    "TICKER_RUN_SECONDS": float(os.environ.get("WORKFLOWS_TICKER_RUN_SECONDS", "50")),
     # Test hook: dotted path of a clock factory (the acceptance tests' skewed clock).
     "CLOCK": os.environ.get("WORKFLOWS_CLOCK") or None,
     # Comma-separated dotted paths of plugins (the acceptance tests' event recorder).
