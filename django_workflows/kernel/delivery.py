@@ -24,6 +24,15 @@ A worker runs this story in a loop (:func:`work`):
    (cancelled) makes the result a ghost: only the job is failed, without retry.
 4. If step 3 leased the next stage, go to 2 with it; otherwise to 1.
 
+Transactions 1 and 3 (and each heartbeat) that hit a dead database connection - terminated,
+closed by ``idle_session_timeout`` while the stage ran, or refused during a database restart -
+are run again on a new connection (:func:`.connections.retry_on_disconnect`, for up to
+``RECONNECT_SECONDS``). That is safe because a rolled-back lease leased nothing and the outcome
+is fenced by the token; a retried outcome that finds the job already settled at its own
+attempt by this very outcome (its COMMIT reached the database, the acknowledgement did not) is
+reported committed, not discarded. A connection kill so costs one retried write, not a
+delivery.
+
 So a trivial stage that continues its run costs one transaction. Crash windows: before a
 lease commits nothing happened; after it the job is RUNNING and its lease expires, so
 ``lease.reapStale`` releases it for another delivery (bounded by ``max_attempts``); before
