@@ -134,7 +134,12 @@ def lease(kernel: Kernel, worker_id: str) -> Delivery | None:
         django.db.OperationalError: the database stayed unreachable for ``RECONNECT_SECONDS``.
     """
     while True:
-        found = retry_on_disconnect(lambda: _lease_transaction(kernel, worker_id), what="lease")
+        retried: list[BaseException] = []
+        found = retry_on_disconnect(
+            lambda retried=retried: _lease_transaction(kernel, worker_id, adopt=bool(retried)),
+            what="lease",
+            on_retry=retried.append,
+        )
         if found is _AGAIN:
             continue  # the run was failed instead (committed): look again
         if found is None:
@@ -152,14 +157,20 @@ _AGAIN: Any = object()
 
 
 def _lease_transaction(
-    kernel: Kernel, worker_id: str
+    kernel: Kernel, worker_id: str, *, adopt: bool = False
 ) -> tuple[Delivery | None, Exception | None] | None:
     """One try of transaction 1 (safe to run again: a rolled-back try leased nothing).
     ``None``: no work; :data:`_AGAIN`: a claimed run was failed instead; else the delivery
     (``None`` when the job was settled without executing) and an unexecutable job's error.
+    ``adopt`` (a retry after a dead connection): first take back a job that the lost try
+    may have leased after all (:func:`_adopt_orphan`).
     """
     unexecutable: Exception | None = None
     with transaction.atomic():
+        if adopt:
+            orphan = _adopt_orphan(kernel, worker_id, resumable=False)
+            if orphan is not None:
+                return orphan, None
         events: list[dict[str, Any]] = []
         locked: dict[int, WorkflowRun | None] = {}
 
@@ -275,6 +286,68 @@ def begin(
     )
 
 
+def _adopt_orphan(
+    kernel: Kernel, worker_id: str, *, run_id: Any = None, resumable: bool = True
+) -> Delivery | None:
+    """In the caller's transaction, take back a job leased to ``worker_id`` by a commit whose
+    acknowledgement was lost (the worker saw a dead connection, the database had committed):
+    RUNNING, this worker's, its stage record RUNNING, executed by nobody (a worker process
+    runs one delivery at a time, so none of its deliveries holds it). Its lease is refreshed
+    and it is delivered with its own attempt - so the lost acknowledgement costs no delivery.
+
+    Only called on the retry after a connection error (never on the happy path).
+    ``resumable=False`` skips async-batch stages: a lease that resumed a suspended stage
+    cleared its resume state in the lost commit, so that job is left to lease expiry.
+    ``run_id`` limits the search to one run (an outcome's continuation).
+    """
+    jobs = WorkflowJob.objects.select_for_update(skip_locked=True).filter(
+        status=Status.RUNNING, worker_id=worker_id
+    )
+    if run_id is not None:
+        jobs = jobs.filter(workflow_run_id=run_id)
+    job = jobs.order_by("id").first()
+    if job is None:
+        return None
+    workflow = kernel.registry.get(job.workflow_id)
+    if workflow is None or not workflow.has_stage(job.stage_id):
+        return None
+    node = workflow.node(job.stage_id)
+    if not resumable and node.stage.mode == "async-batch":
+        return None
+    run = try_lock_run(job.workflow_run_id)
+    if run is LOCKED or run is None or run.status != Status.RUNNING:  # type: ignore[union-attr]
+        return None
+    records = stages_of(run.pk)  # type: ignore[union-attr]
+    record = next((r for r in records if r.stage_id == node.stage.id), None)
+    if record is None or record.status != Status.RUNNING:
+        return None
+    if not kernel.queue.touch(job.pk, attempt=job.attempt):
+        return None
+    earlier = [
+        r
+        for r in records
+        if r.execution_group < node.execution_group and r.status == Status.COMPLETED
+    ]
+    logger.warning(
+        "Stage %s job %s attempt %s: leased to this worker by a commit whose acknowledgement "
+        "was lost; delivering it",
+        node.stage.id,
+        job.pk,
+        job.attempt,
+    )
+    return Delivery(
+        job=job,
+        workflow=workflow,
+        node=node,
+        run=run,  # type: ignore[arg-type]
+        record=record,
+        records=records,
+        outputs=load_outputs(kernel.blobs, earlier) if earlier else {},
+        resume_state=None,
+        started_at=record.started_at or kernel.clock.now(),
+    )
+
+
 # --- 2. Execute -------------------------------------------------------------------------------
 
 
@@ -379,6 +452,8 @@ def commit_outcome(
         if retries:  # the connection died: maybe after our COMMIT reached the database
             committed = _committed_before(d, outcome)
             if committed is not None:
+                if committed.outcome == "completed" and worker_id is not None:
+                    committed.next = _adopt_continuation(kernel, d, worker_id)
                 logger.warning(
                     "Stage %s delivery %s of job %s: its outcome had committed before the "
                     "connection was lost (COMMIT acknowledgement lost)",
@@ -447,6 +522,16 @@ def _outcome_transaction(
 
 
 _GHOST_SUFFIX = "the result was discarded (expected RUNNING)"
+
+
+def _adopt_continuation(kernel: Kernel, d: Delivery, worker_id: str) -> Delivery | None:
+    """The next stage that the lost-acknowledgement outcome leased to this worker, if any."""
+
+    def adopt() -> Delivery | None:
+        with transaction.atomic():
+            return _adopt_orphan(kernel, worker_id, run_id=d.run.pk)
+
+    return retry_on_disconnect(adopt, what="continuation after a lost acknowledgement")
 
 
 def _committed_before(d: Delivery, outcome: ExecutionOutcome) -> Outcome | None:

@@ -190,33 +190,58 @@ def test_connection_killed_while_the_worker_sat_idle_between_tasks(
     assert len(retried) == 1 and retried[0].startswith("lease"), retried
 
 
+def _lose_ack_once(kills: dict[str, int]) -> None:
+    """Kill this thread's connection and fail on it: what a lost COMMIT acknowledgement
+    looks like to the worker, after the database committed."""
+    if kills["n"] == 0:
+        kills["n"] += 1
+        _kill_own_connection()
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+
+
 @needs_pg
-def test_a_lost_commit_acknowledgement_is_reported_as_committed_not_discarded(
+def test_a_lost_outcome_acknowledgement_is_reported_as_committed_not_discarded(
     kernel_for: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The outcome committed, then the connection died before the worker heard so: the retry
-    finds the job settled at its own attempt by this outcome and reports it committed."""
-    kernel = kernel_for(define_workflow(id="lost-ack", input=Num).pipe(add(1, "s1")).build())
+    """s1's outcome committed (and leased s2 to this worker), then the connection died before
+    the worker heard so: the retry finds the job settled at its own attempt by this outcome,
+    reports it committed and goes on with s2 at its first attempt."""
+    workflow = define_workflow(id="lost-ack", input=Num).pipe(add(1, "s1")).pipe(add(1, "s2"))
+    kernel = kernel_for(workflow.build())
     run_id = _start(kernel, "lost-ack")
     caplog.set_level(logging.WARNING)
     kills = {"n": 0}
+    faults.inject("outcome.after_commit", lambda: _lose_ack_once(kills))
+    result = process_available_jobs(kernel, "w", max_jobs=5)
+    assert (result.succeeded, result.failed) == (2, 0)
+    _assert_completed_once(run_id, ["s1", "s2"])
+    assert kills["n"] == 1 and len(_retried(caplog)) == 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("had committed before the connection was lost" in m for m in messages)
+    assert any("acknowledgement was lost; delivering it" in m for m in messages), messages
+    assert not any("discarded" in m for m in messages)
 
-    def lose_ack() -> None:
-        if kills["n"] == 0:
-            kills["n"] += 1
-            _kill_own_connection()
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT 1")  # raises as the lost acknowledgement would
 
-    faults.inject("outcome.after_commit", lose_ack)
+@needs_pg
+def test_a_lost_lease_acknowledgement_delivers_the_leased_job_at_its_attempt(
+    kernel_for: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The lease committed, the acknowledgement was lost: the retry takes the job back
+    instead of leaving it to lease expiry (which would cost a second delivery)."""
+    kernel = kernel_for(define_workflow(id="lost-lease", input=Num).pipe(add(1, "s1")).build())
+    run_id = _start(kernel, "lost-lease")
+    caplog.set_level(logging.WARNING)
+    kills = {"n": 0}
+    faults.inject(
+        "lease.before_commit", lambda: transaction.on_commit(lambda: _lose_ack_once(kills))
+    )
     result = process_available_jobs(kernel, "w", max_jobs=5)
     assert (result.succeeded, result.failed) == (1, 0)
     _assert_completed_once(run_id, ["s1"])
-    assert len(_retried(caplog)) == 1
-    assert any(
-        "had committed before the connection was lost" in r.getMessage() for r in caplog.records
-    )
-    assert not any("discarded" in r.getMessage() for r in caplog.records)
+    assert kills["n"] == 1 and len(_retried(caplog)) == 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("acknowledgement was lost; delivering it" in m for m in messages), messages
 
 
 @needs_pg
