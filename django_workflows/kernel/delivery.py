@@ -30,7 +30,8 @@ are run again on a new connection (:func:`.connections.retry_on_disconnect`, for
 ``RECONNECT_SECONDS``). That is safe because a rolled-back lease leased nothing and the outcome
 is fenced by the token; a retried outcome that finds the job already settled at its own
 attempt by this very outcome (its COMMIT reached the database, the acknowledgement did not) is
-reported committed, not discarded. A connection kill so costs one retried write, not a
+reported committed, not discarded, and a job that a lost commit leased to this worker is
+taken back (:func:`_adopt_orphan`). A connection kill so costs one retried write, not a
 delivery.
 
 So a trivial stage that continues its run costs one transaction. Crash windows: before a
