@@ -297,6 +297,36 @@ def test_retry_gives_up_after_the_reconnect_window() -> None:
     assert calls["n"] == 2 and waits == []  # window 0: one immediate retry
 
 
+@needs_pg
+def test_a_refused_connection_is_retried_with_back_off_until_the_database_is_back() -> None:
+    """A database restart as the worker sees it: connections refused for a while (here: a
+    port nothing listens on), then accepted again; the transaction runs once it is back."""
+    port = connection.settings_dict["PORT"]
+    waits: list[float] = []
+    calls = {"n": 0}
+
+    def restart_over_after_three_waits(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 3:
+            connection.settings_dict["PORT"] = port
+
+    def write() -> int:
+        calls["n"] += 1
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+            return int(cursor.fetchone()[0])
+
+    connection.close()
+    connection.settings_dict["PORT"] = "1"  # refused
+    try:
+        assert retry_on_disconnect(write, what="test", sleep=restart_over_after_three_waits) == 1
+    finally:
+        connection.settings_dict["PORT"] = port
+    # 1 try + an immediate retry, then back-off 0.05, 0.1, 0.2 s; the 5th try succeeds.
+    assert calls["n"] == 5
+    assert waits == [0.05, 0.1, 0.2]
+
+
 def test_sqlite_operational_errors_are_never_connection_errors() -> None:
     if ON_POSTGRES:
         pytest.skip("the SQLite answer of the classifier")
