@@ -117,9 +117,6 @@ def retry_on_disconnect(
     conn = connections[using]
     if conn.in_atomic_block:
         return fn()
-    window = float(
-        workflow_settings.RECONNECT_SECONDS if window_seconds is None else window_seconds
-    )
     deadline: float | None = None
     delay = FIRST_BACKOFF_SECONDS
     retries = 0
@@ -131,7 +128,12 @@ def retry_on_disconnect(
                 raise
             discard_connection(using)
             now = time.monotonic()
-            if deadline is None:
+            if deadline is None:  # the first failure: settings are read off the happy path
+                window = float(
+                    workflow_settings.RECONNECT_SECONDS
+                    if window_seconds is None
+                    else window_seconds
+                )
                 deadline = now + window
             elif now >= deadline:
                 logger.error(
