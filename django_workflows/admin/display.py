@@ -12,11 +12,13 @@ from datetime import datetime
 from typing import Any
 
 from django.contrib import admin
+from django.core.paginator import Paginator
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
+from django.utils.functional import cached_property
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
@@ -146,6 +148,12 @@ def short_json(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _registry() -> Any:
+    from ..definition.registry import registry
+
+    return registry
+
+
 def run_change_url(run_id: Any) -> str | None:
     try:
         return reverse("admin:django_workflows_workflowrun_change", args=[str(run_id)])
@@ -196,6 +204,42 @@ class StatusFilter(admin.SimpleListFilter):
         return None
 
 
+class CappedPaginator(Paginator):
+    """A paginator that never runs a full ``COUNT(*)``: it counts at most ``MAX_COUNT`` rows
+    (``SELECT COUNT(*) FROM (SELECT ... LIMIT MAX_COUNT)``, an index-only walk), so the list of
+    a table of millions costs the same as one of thousands. ``capped`` tells whether more rows
+    exist than were counted (the admin then shows "N+")."""
+
+    #: Rows counted at most (pages beyond ``MAX_COUNT / per_page`` are not reachable).
+    MAX_COUNT = 100_000
+
+    @cached_property
+    def count(self) -> int:
+        qs = self.object_list
+        if not isinstance(qs, QuerySet):
+            return len(qs)
+        limited = qs.order_by()[: self.MAX_COUNT + 1]
+        n = qs.model.objects.filter(pk__in=limited.values("pk")).count()
+        self.capped = n > self.MAX_COUNT
+        return min(n, self.MAX_COUNT)
+
+    capped = False
+
+
+class WorkflowFilter(admin.SimpleListFilter):
+    """The registered workflow ids (bounded by the _registry(), no ``SELECT DISTINCT`` over the
+    table); any other id works as ``?workflow_id=...``."""
+
+    title = "workflow"
+    parameter_name = "workflow_id"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(wid, wid) for wid in sorted(wf.id for wf in _registry())[:100]]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        return queryset.filter(workflow_id=self.value()) if self.value() else None
+
+
 class ReadOnlyAdmin(admin.ModelAdmin):
     """An admin that shows rows and never adds, changes or deletes them.
 
@@ -205,6 +249,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
     list_per_page = 50
     show_full_result_count = False
+    paginator = CappedPaginator
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
