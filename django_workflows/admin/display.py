@@ -218,8 +218,7 @@ class CappedPaginator(Paginator):
         qs = self.object_list
         if not isinstance(qs, QuerySet):
             return len(qs)
-        limited = qs.order_by()[: self.MAX_COUNT + 1]
-        n = qs.model.objects.filter(pk__in=limited.values("pk")).count()
+        n = qs.order_by()[: self.MAX_COUNT + 1].count()
         self.capped = n > self.MAX_COUNT
         return min(n, self.MAX_COUNT)
 

@@ -137,15 +137,11 @@ class WaitingFilter(admin.SimpleListFilter):
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
         if self.value() == "human":
-            return queryset.filter(status=Status.RUNNING).filter(
-                Exists(
-                    WorkflowStage.objects.filter(
-                        run=OuterRef("pk"),
-                        status=Status.SUSPENDED,
-                        suspended_state__kind=approval.APPROVAL_KIND,
-                    )
-                )
-            )
+            # Driven from the few SUSPENDED stages (status index), not from the runs.
+            waiting = WorkflowStage.objects.filter(
+                status=Status.SUSPENDED, suspended_state__kind=approval.APPROVAL_KIND
+            ).values("run_id")
+            return queryset.filter(status=Status.RUNNING, pk__in=waiting)
         if self.value() == "failures":
             return queryset.filter(
                 Q(status=Status.FAILED)
