@@ -112,7 +112,11 @@ def event_summary(payload: Any) -> str:
             return str(payload[key])
     if "progress" in payload:
         message = payload.get("message") or ""
-        return f"{payload['progress']:g}% {message}".strip()
+        try:
+            percent = f"{float(payload['progress']):.0f}%"
+        except (TypeError, ValueError):
+            percent = str(payload["progress"])
+        return f"{percent} {message}".strip()
     if payload.get("next_poll_at"):
         return f"next poll at {payload['next_poll_at']}"
     if payload.get("key"):
