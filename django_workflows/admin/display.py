@@ -248,6 +248,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
     list_per_page = 50
     show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER  # facet counts scan the table
     paginator = CappedPaginator
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:

@@ -54,7 +54,7 @@ class Segment:
         state = f"{self.kind} (still open)" if self.open else self.kind
         return (
             f"{state}: {_ms_text(self.start)} → {_ms_text(self.end)} "
-            f"({format_duration_ms(self.duration_ms)})"
+            f"({self.duration_ms:,} ms)"
         )
 
 
@@ -159,10 +159,11 @@ def build_gantt(run: WorkflowRun, now: datetime | None = None) -> Gantt:
         if row is None:
             continue
         if kind == "stage:suspended":
-            _close(row, at, None)
+            _close(row, at, "completed")  # its execute() finished; now it waits
             row.segments.append(Segment("suspended", at, at, open=True))
             row.outcome = "suspended"
         elif kind in ("stage:completed", "stage:failed"):
+            row.outcome = "running"
             outcome = "completed" if kind == "stage:completed" else "failed"
             _close(row, at, outcome)
             open_rows.pop(stage_id, None)

@@ -576,7 +576,7 @@ def test_gantt_draws_parallel_stages_suspension_and_retries(admin_client, kernel
     assert set(rows) == {"left", "right", "batch"}
     assert rows["left"].execution_group == rows["right"].execution_group == 1
     assert [(s.kind, s.open) for s in rows["batch"].segments] == [
-        ("running", False),
+        ("completed", False),
         ("suspended", False),
     ]
     assert rows["batch"].outcome == "completed"
