@@ -51,7 +51,7 @@ INSERT INTO workflow_stages (id, created_at, updated_at, version, run_id, stage_
     progress_message)
 SELECT gen_random_uuid(), r.created_at, now(), 1, r.id, 'review', 'review', 1, 1, 0,
     'SUSPENDED',
-    CASE WHEN row_number() OVER () %% 10 = 0
+    CASE WHEN row_number() OVER () % 10 = 0
          THEN '{"kind": "django_workflows.approval", "allowed_approvers": ["alice"]}'::jsonb
          ELSE '{"batch_id": "b"}'::jsonb END,
     now() + interval '1 hour', ''
