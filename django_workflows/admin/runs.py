@@ -30,6 +30,7 @@ from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
 from django.db import transaction
 from django.db.models import Exists, OuterRef, Q, QuerySet
+from django.db.models.fields.json import KeyTransform
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import URLPattern, path, reverse
 from django.utils import timezone
@@ -217,6 +218,10 @@ def attach_page_data(runs: list[WorkflowRun]) -> None:
         ).defer("payload"):
             jobs[job.workflow_run_id][job.stage_id] = job
     for run in runs:
+        if "output" in run.get_deferred_fields():
+            # the list read only output["error"]: enough for run_error(), no query per row
+            error = getattr(run, "dw_output_error", None)
+            run.output = None if error is None else {"error": error}
         records = sorted(stages[run.pk], key=lambda s: (s.execution_group, s.stage_number))
         run.completed_stages = sum(1 for s in records if s.status == Status.COMPLETED)
         run.stage_records = len(records)
@@ -330,14 +335,18 @@ class WorkflowRunAdmin(admin.ModelAdmin):
         if getattr(request, "resolver_match", None) and (
             request.resolver_match.url_name or ""
         ).endswith("_changelist"):
-            qs = qs.defer("input", "output", "config", "metadata")
+            # Only the error member of the output is read (the run-level error of FAILED runs).
+            qs = qs.defer("input", "output", "config", "metadata").annotate(
+                dw_output_error=KeyTransform("error", "output")
+            )
         return qs
 
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[WorkflowRun], search_term: str
     ) -> tuple[QuerySet[WorkflowRun], bool]:
-        """Exact run id, an idempotency key of ``run.create``, or a workflow id prefix - each
-        an index lookup (no ``LIKE '%...%'`` over the table)."""
+        """A full run id, an idempotency key of ``run.create``, or a workflow id (exact, or the
+        start of registered workflow ids) - each an index lookup (no ``LIKE`` over the
+        table)."""
         term = search_term.strip()
         if not term:
             return queryset, False
@@ -349,10 +358,11 @@ class WorkflowRunAdmin(admin.ModelAdmin):
             .values_list("result", flat=True)
             .first()
         )
-        match = Q(workflow_id__startswith=term)
         if isinstance(keyed, dict) and parse_uuid(str(keyed.get("workflow_run_id", ""))):
-            match |= Q(pk=parse_uuid(str(keyed["workflow_run_id"])))
-        return queryset.filter(match), False
+            return queryset.filter(pk=parse_uuid(str(keyed["workflow_run_id"]))), False
+        # A workflow id, or the start of registered ones: an IN list on the workflow index.
+        ids = {term, *(wf.id for wf in registry if wf.id.startswith(term))}
+        return queryset.filter(workflow_id__in=sorted(ids)), False
 
     # --- permissions ------------------------------------------------------------------------
 
