@@ -115,6 +115,20 @@ def duration_display(
     return "-"
 
 
+def compact_time(at: datetime | None) -> SafeString | str:
+    """``2026-12-01`` over ``14:00:27.125`` (local time, ms; the ISO time as a tooltip), so a
+    time column stays narrow; ``-`` for ``None``."""
+    if at is None:
+        return "-"
+    local = timezone.localtime(at)
+    return format_html(
+        '<span class="dw-nowrap" title="{}">{}<br>{}</span>',
+        at.isoformat(),
+        local.strftime("%Y-%m-%d"),
+        local.strftime("%H:%M:%S.%f")[:-3],
+    )
+
+
 def to_json(value: Any) -> str:
     """``value`` as indented JSON (Django's encoder, so datetimes and UUIDs render)."""
     return json.dumps(value, indent=2, ensure_ascii=False, cls=DjangoJSONEncoder, default=str)

@@ -52,10 +52,7 @@ class Segment:
     @property
     def title(self) -> str:
         state = f"{self.kind} (still open)" if self.open else self.kind
-        return (
-            f"{state}: {_ms_text(self.start)} → {_ms_text(self.end)} "
-            f"({self.duration_ms:,} ms)"
-        )
+        return f"{state}: {_ms_text(self.start)} → {_ms_text(self.end)} ({self.duration_ms:,} ms)"
 
 
 @dataclass

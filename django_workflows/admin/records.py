@@ -34,6 +34,7 @@ from .display import (
     StatusFilter,
     WorkflowFilter,
     badge,
+    compact_time,
     pretty_json,
     run_link,
     short_json,
@@ -73,15 +74,12 @@ class WorkflowJobAdmin(ReadOnlyAdmin):
     list_display = (
         "id",
         "run",
-        "workflow_id",
-        "stage_id",
+        "stage",
         "status_badge",
         "deliveries",
-        "priority",
-        "worker_id",
-        "locked_at",
-        "next_poll_at",
-        "created_at",
+        "lease",
+        "next_poll",
+        "created",
     )
     list_filter = (JobStatusFilter, WorkflowFilter)  # ?stage_id=... works too
     search_fields = ("workflow_id",)  # get_search_results: exact matches only
@@ -127,6 +125,26 @@ class WorkflowJobAdmin(ReadOnlyAdmin):
     @admin.display(description="run", ordering="workflow_run_id")
     def run(self, obj: WorkflowJob) -> SafeString | str:
         return run_link(obj.workflow_run_id)
+
+    @admin.display(description="stage", ordering="stage_id")
+    def stage(self, obj: WorkflowJob) -> SafeString:
+        """The stage id over its workflow id."""
+        return format_html('{}<br><span class="dw-muted">{}</span>', obj.stage_id, obj.workflow_id)
+
+    @admin.display(description="lease", ordering="locked_at")
+    def lease(self, obj: WorkflowJob) -> SafeString | str:
+        """The worker holding the lease and when it was last renewed."""
+        if not obj.worker_id:
+            return "-"
+        return format_html("{}<br>{}", obj.worker_id, compact_time(obj.locked_at))
+
+    @admin.display(description="next poll / retry at", ordering="next_poll_at")
+    def next_poll(self, obj: WorkflowJob) -> SafeString | str:
+        return compact_time(obj.next_poll_at)
+
+    @admin.display(description="created", ordering="created_at")
+    def created(self, obj: WorkflowJob) -> SafeString | str:
+        return compact_time(obj.created_at)
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj: WorkflowJob) -> SafeString | str:
@@ -191,14 +209,12 @@ class OutboxEventAdmin(ReadOnlyAdmin):
     list_display = (
         "id",
         "run",
-        "sequence",
-        "event_type",
-        "stage",
+        "event",
         "summary",
         "delivery",
-        "retry_count",
+        "retries",
         "short_error",
-        "occurred_at",
+        "occurred",
     )
     list_filter = ("event_type", DeliveryFilter)
     search_fields = ("event_type",)  # get_search_results: exact matches only
@@ -449,6 +465,26 @@ class OutboxEventAdmin(ReadOnlyAdmin):
     @admin.display(description="run", ordering="workflow_run_id")
     def run(self, obj: OutboxEvent) -> SafeString | str:
         return run_link(obj.workflow_run_id)
+
+    @admin.display(description="event #sequence · stage", ordering="event_type")
+    def event(self, obj: OutboxEvent) -> SafeString:
+        """``stage:completed #7`` over the stage id."""
+        return format_html(
+            '<span class="dw-nowrap">{} <span class="dw-muted">#{}</span></span><br>'
+            '<span class="dw-muted">{}</span>',
+            obj.event_type,
+            obj.sequence,
+            self.stage(obj),
+        )
+
+    @admin.display(description="retries", ordering="retry_count")
+    def retries(self, obj: OutboxEvent) -> int:
+        """Failed deliveries so far (``retry_count``)."""
+        return obj.retry_count
+
+    @admin.display(description="occurred", ordering="occurred_at")
+    def occurred(self, obj: OutboxEvent) -> SafeString | str:
+        return compact_time(obj.occurred_at)
 
     @admin.display(description="stage")
     def stage(self, obj: OutboxEvent) -> str:

@@ -232,6 +232,14 @@ def test_operator_session_in_chromium(
     )
     page.screenshot(path=str(SHOTS / "changelist.png"))
     assert scroll[0] <= scroll[1] + 1, f"the list scrolls sideways at 1440 px: {scroll}"
+    for name in ("workflowjob", "outboxevent", "workflowlog", "workflowannotation"):
+        page.goto(base + reverse(f"admin:django_workflows_{name}_changelist"))
+        widths = page.evaluate(
+            "() => { const t = document.querySelector('#result_list');"
+            " return t ? [t.scrollWidth, document.querySelector('.results').clientWidth]"
+            " : [0, 0]; }"
+        )
+        assert widths[0] <= widths[1] + 1, f"{name} scrolls sideways at 1440 px: {widths}"
 
     # a completed run: stages, Gantt chart with parallel and suspended stages
     page.goto(run_page(world["completed"]))

@@ -31,8 +31,11 @@ pytestmark = [
 ]
 
 RUNS = 1_000_000
-#: Statements per admin page: session, user, (permissions), the page's own reads.
+#: Statements per admin list page: session, user, (permissions), the page's own reads.
 MAX_QUERIES = 14
+#: The run page: session, user, the run, its stages, jobs, dead letter, the timeline's three
+#: sources, reruns, the Gantt chart's events and groups, the run error's stages.
+MAX_RUN_PAGE_QUERIES = 20
 
 RUNS_SQL = """
 INSERT INTO workflow_runs (id, created_at, updated_at, version, workflow_id, workflow_name,
@@ -68,7 +71,7 @@ FROM workflow_runs r CROSS JOIN generate_series(1, 25) AS s WHERE r.status = 'RU
 """
 
 
-def _timed(client: Client, url: str, n: int = 25) -> list[float]:
+def _timed(client: Client, url: str, n: int = 20) -> list[float]:
     times = []
     for _ in range(n):
         started = time.perf_counter()
@@ -91,7 +94,8 @@ def _explain(sql: str) -> str:
 
 def _check_queries(queries: CaptureQueriesContext, label: str) -> None:
     sqls = [q["sql"] for q in queries.captured_queries]
-    assert len(sqls) <= MAX_QUERIES, (label, len(sqls), sqls)
+    limit = MAX_RUN_PAGE_QUERIES if label == "run page" else MAX_QUERIES
+    assert len(sqls) <= limit, (label, len(sqls), sqls)
     for sql in sqls:
         if re.search(r"COUNT\(\*\)", sql, re.I):
             # the capped paginator's count: a LIMIT bounds whatever it reads
@@ -138,7 +142,7 @@ def test_admin_pages_at_a_million_runs(django_user_model: Any) -> None:
         "created last 24h": base + "?created=24h",
         "search full run id": base + f"?q={failed_id}",
         "search idempotency key": base + "?q=order-42",
-        "search workflow prefix": base + "?q=adm-f",
+        "search workflow id": base + "?q=adm-fails",
         "run page": reverse("admin:django_workflows_workflowrun_change", args=[failed_id]),
         "outbox list": reverse("admin:django_workflows_outboxevent_changelist"),
         "outbox unpublished": reverse("admin:django_workflows_outboxevent_changelist")
