@@ -19,7 +19,9 @@ from django.utils.safestring import SafeString
 from django.utils.text import Truncator
 from django.utils.translation import ngettext
 
+from ..kernel import commands as kernel_commands
 from ..kernel.commands import ReplayDeadLetters, SkipDeadLetter
+from ..kernel.events import EVENT_TYPES
 from ..kernel.runtime import get_kernel
 from ..models import (
     IdempotencyKey,
@@ -35,6 +37,7 @@ from .display import (
     WorkflowFilter,
     badge,
     compact_time,
+    fixed_choices_filter,
     pretty_json,
     run_link,
     short_json,
@@ -216,7 +219,7 @@ class OutboxEventAdmin(ReadOnlyAdmin):
         "short_error",
         "occurred",
     )
-    list_filter = ("event_type", DeliveryFilter)
+    list_filter = (fixed_choices_filter("event_type", "event type", EVENT_TYPES), DeliveryFilter)
     search_fields = ("event_type",)  # get_search_results: exact matches only
     search_help_text = "Search by full run id, event id, event type or causation id."
     ordering = ("-id",)
@@ -559,6 +562,17 @@ class OutboxEventAdmin(ReadOnlyAdmin):
         )
 
 
+#: The command types that take idempotency keys (the key list's filter choices).
+COMMAND_TYPES: tuple[str, ...] = tuple(
+    sorted(
+        {
+            cls.type
+            for cls in vars(kernel_commands).values()
+            if isinstance(cls, type) and isinstance(getattr(cls, "type", None), str)
+        }
+    )
+)
+
 #: Dead letters one replay page takes at once.
 MAX_REPLAY = 1000
 
@@ -623,7 +637,8 @@ class WorkflowAnnotationAdmin(ReadOnlyAdmin):
         "run_link",
         "stage",
     )
-    list_filter = ("scope",)  # ?key=... and ?actor_kind=... work too (no DISTINCT sidebar)
+    # ?key=..., ?actor_kind=... and other scopes work too (no DISTINCT sidebar)
+    list_filter = (fixed_choices_filter("scope", "scope", ("run", "stage")),)
     search_fields = ("key",)  # get_search_results: exact matches only
     search_help_text = "Search by exact key, actor id, idempotency key or full run id."
     list_select_related = ("stage_record",)
@@ -693,7 +708,7 @@ class IdempotencyKeyAdmin(ReadOnlyAdmin):
     """Command idempotency keys and their cached results (K-10..14)."""
 
     list_display = ("key", "command_type", "state", "created_at")
-    list_filter = ("command_type", "state")
+    list_filter = (fixed_choices_filter("command_type", "command type", COMMAND_TYPES), "state")
     search_fields = ("key",)
     ordering = ("-created_at", "-id")
     fields = ("key", "command_type", "state", "created_at", "result_json")
