@@ -219,24 +219,54 @@ class StatusFilter(admin.SimpleListFilter):
 
 
 class CappedPaginator(Paginator):
-    """A paginator that never runs a full ``COUNT(*)``: it counts at most ``MAX_COUNT`` rows
-    (``SELECT COUNT(*) FROM (SELECT ... LIMIT MAX_COUNT)``, an index-only walk), so the list of
-    a table of millions costs the same as one of thousands. ``capped`` tells whether more rows
-    exist than were counted (the admin then shows "N+")."""
+    """A paginator that never runs a full ``COUNT(*)``: it counts only as far as the requested
+    page plus ``PAGES_AHEAD`` pages (``SELECT COUNT(*) FROM (SELECT ... LIMIT n)``), so a list
+    of millions of rows costs about what a list of thousands does. ``capped`` says that more
+    rows exist than were counted (the list then shows "N+" and its last page link moves on as
+    the operator pages forward).
 
-    #: Rows counted at most (pages beyond ``MAX_COUNT / per_page`` are not reachable).
-    MAX_COUNT = 100_000
+    Args:
+        page_hint: the page the request asks for (1-based; the admin passes ``?p=``).
+    """
+
+    #: Pages counted beyond the requested one.
+    PAGES_AHEAD = 20
+    #: Rows counted at most, whatever the page (pages beyond it are not reachable).
+    MAX_COUNT = 1_000_000
+
+    def __init__(self, *args: Any, page_hint: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.page_hint = max(1, page_hint)
 
     @cached_property
     def count(self) -> int:
         qs = self.object_list
         if not isinstance(qs, QuerySet):
             return len(qs)
-        n = qs.order_by()[: self.MAX_COUNT + 1].count()
-        self.capped = n > self.MAX_COUNT
-        return min(n, self.MAX_COUNT)
+        cap = min(self.MAX_COUNT, (self.page_hint + self.PAGES_AHEAD) * int(self.per_page))
+        n = qs.order_by()[: cap + 1].count()
+        self.capped = n > cap
+        return min(n, cap)
 
     capped = False
+
+
+class CappedPaginationMixin:
+    """Gives :class:`CappedPaginator` the requested page number (``?p=``)."""
+
+    paginator = CappedPaginator
+
+    def get_paginator(
+        self,
+        request: HttpRequest,
+        queryset: Any,
+        per_page: int,
+        orphans: int = 0,
+        allow_empty_first_page: bool = True,
+    ) -> Paginator:
+        raw = request.GET.get("p", "1")
+        page = int(raw) if raw.isascii() and raw.isdigit() and len(raw) < 9 else 1
+        return CappedPaginator(queryset, per_page, orphans, allow_empty_first_page, page_hint=page)
 
 
 class WorkflowFilter(admin.SimpleListFilter):
@@ -271,7 +301,7 @@ def fixed_choices_filter(field: str, title: str, choices: tuple[str, ...]) -> ty
     return FixedChoicesFilter
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class ReadOnlyAdmin(CappedPaginationMixin, admin.ModelAdmin):
     """An admin that shows rows and never adds, changes or deletes them.
 
     The kernel owns these tables; with no change permission Django renders the detail page in
@@ -281,7 +311,6 @@ class ReadOnlyAdmin(admin.ModelAdmin):
     list_per_page = 50
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER  # facet counts scan the table
-    paginator = CappedPaginator
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False

@@ -55,7 +55,7 @@ from ..models import (
 )
 from ..runs import WaitingReason, run_error, waiting_reasons
 from .display import (
-    CappedPaginator,
+    CappedPaginationMixin,
     StatusFilter,
     WorkflowFilter,
     duration_display,
@@ -244,7 +244,7 @@ def parse_uuid(text: str) -> uuid.UUID | None:
 
 
 @admin.register(WorkflowRun)
-class WorkflowRunAdmin(admin.ModelAdmin):
+class WorkflowRunAdmin(CappedPaginationMixin, admin.ModelAdmin):
     """Runs: list with why each waits, view-only run page, operations through the kernel."""
 
     list_display = (
@@ -265,7 +265,6 @@ class WorkflowRunAdmin(admin.ModelAdmin):
     list_per_page = 50
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER  # a COUNT per filter choice over the whole table
-    paginator = CappedPaginator
     actions = ("cancel_runs",)
     fieldsets = (
         (

@@ -172,20 +172,20 @@ def test_admin_pages_at_a_million_runs(django_user_model: Any) -> None:
     found = client.get(base + "?q=order-42").context["cl"]
     assert [str(r.pk) for r in found.result_list] == [failed_id]
 
+    print(f"{'page':>26}  p50 ms  p95 ms")
+    for label, (p50, p95) in report.items():
+        print(f"{label:>26}  {p50:6.1f}  {p95:6.1f}")
+
     # The engine's poll-due and flush queries read through their indexes.
     poll = _explain(
         "SELECT id FROM workflow_stages WHERE status = 'SUSPENDED' AND next_poll_at <= now() "
         "ORDER BY next_poll_at LIMIT 50"
     )
-    assert "wf_stage_status_poll_idx" in poll, poll
+    assert "Index Scan using wf_stage_" in poll and "Seq Scan" not in poll, poll
     flush = _explain(
         "SELECT id FROM outbox_events WHERE published_at IS NULL AND dlq_at IS NULL AND "
         "workflow_run_id NOT IN (SELECT workflow_run_id FROM outbox_events WHERE dlq_at IS NOT "
         "NULL AND published_at IS NULL) ORDER BY workflow_run_id, sequence LIMIT 100"
     )
     assert "wf_outbox_unpublished_idx" in flush and "Seq Scan" not in flush, flush
-
-    print(f"{'page':>26}  p50 ms  p95 ms")
-    for label, (p50, p95) in report.items():
-        print(f"{label:>26}  {p50:6.1f}  {p95:6.1f}")
     print(f"total {time.perf_counter() - started:.1f} s")

@@ -651,3 +651,29 @@ def test_run_list_costs_the_same_queries_for_5_and_25_runs(admin_client, kernel)
         create(kernel, "ops-two", input={"value": i})
     kernel.dispatch(ClaimPendingRuns(worker_id="w", max_claims=10))
     assert count() == few
+
+
+def test_capped_paginator_counts_only_as_far_as_the_requested_page(kernel, monkeypatch) -> None:
+    from django_workflows.admin.display import CappedPaginator
+
+    for i in range(7):
+        create(kernel, "ops-two", input={"value": i})
+    monkeypatch.setattr(CappedPaginator, "PAGES_AHEAD", 1)
+    near = CappedPaginator(WorkflowRun.objects.order_by("-created_at"), 2, page_hint=1)
+    assert (near.count, near.capped, near.num_pages) == (4, True, 2)
+    far = CappedPaginator(WorkflowRun.objects.order_by("-created_at"), 2, page_hint=3)
+    assert (far.count, far.capped, far.num_pages) == (7, False, 4)
+
+
+def test_run_list_says_n_plus_when_it_stopped_counting(admin_client, kernel, monkeypatch) -> None:
+    from django_workflows.admin.display import CappedPaginator
+    from django_workflows.admin.runs import WorkflowRunAdmin
+
+    for i in range(5):
+        create(kernel, "ops-two", input={"value": i})
+    monkeypatch.setattr(CappedPaginator, "PAGES_AHEAD", 1)
+    monkeypatch.setattr(WorkflowRunAdmin, "list_per_page", 2)
+    html = admin_client.get(reverse("admin:django_workflows_workflowrun_changelist")).content
+    assert b'<span class="dw-result-count">4+</span>' in html
+    last = admin_client.get(reverse("admin:django_workflows_workflowrun_changelist") + "?p=3")
+    assert b'<span class="dw-result-count">5</span>' in last.content
