@@ -271,6 +271,7 @@ def test_operator_session_in_chromium(
     page.click("a.dw-rerun-link")
     page.select_option("#id_from_stage_id", "import")
     page.fill("#id_reason", "upstream is back")
+    page.screenshot(path=str(SHOTS / "rerun_confirmation.png"))
     page.click("#dw-operation-form input[type=submit]")
     assert "Rerunning run" in _messages(page)
     assert "RUNNING" in page.locator(".field-status_badge").inner_text()
