@@ -85,6 +85,10 @@ class WorkflowRun(models.Model):
             # descending, alone or after a status filter (no sort, no COUNT).
             models.Index(fields=["created_at", "id"], name="wf_run_created_id_idx"),
             models.Index(fields=["status", "created_at", "id"], name="wf_run_status_created_idx"),
+            # The admin's workflow filter, newest first (0007).
+            models.Index(
+                fields=["workflow_id", "created_at", "id"], name="wf_run_workflow_created_idx"
+            ),
         ]
         # Operator permissions shared by the HTTP API and the admin.
         permissions = [
@@ -147,6 +151,9 @@ class WorkflowStage(models.Model):
         indexes = [
             models.Index(fields=["status"], name="wf_stage_status_idx"),
             models.Index(fields=["next_poll_at"], name="wf_stage_next_poll_idx"),
+            # stage.pollSuspended: due SUSPENDED stages in next_poll_at order; the LIMIT stops
+            # the index walk, however many stages are suspended (0007).
+            models.Index(fields=["status", "next_poll_at"], name="wf_stage_status_poll_idx"),
         ]
 
     def __str__(self) -> str:
@@ -320,6 +327,19 @@ class OutboxEvent(models.Model):
         ]
         indexes = [
             models.Index(fields=["published_at"], name="wf_outbox_published_idx"),
+            # outbox.flush: unpublished, not dead-lettered rows in (run, sequence) order - a
+            # partial index that holds only the backlog, so the flush's LIMIT stops early (0007).
+            models.Index(
+                fields=["workflow_run_id", "sequence"],
+                name="wf_outbox_unpublished_idx",
+                condition=models.Q(published_at__isnull=True, dlq_at__isnull=True),
+            ),
+            # Dead letters (the flush's "blocked runs" and the admin's dead-letter counts).
+            models.Index(
+                fields=["workflow_run_id", "sequence"],
+                name="wf_outbox_dead_letter_idx",
+                condition=models.Q(published_at__isnull=True, dlq_at__isnull=False),
+            ),
         ]
         # Operator permissions shared by the HTTP API and the admin.
         permissions = [

@@ -1,8 +1,11 @@
 """Convenience entry points for application code: start, cancel and rerun runs; attach and
-list their annotations."""
+list their annotations; what a run waits for (:func:`waiting_reasons`) and its error
+(:func:`run_error`), shared by the admin, the HTTP API and the CLI."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from .kernel.annotations import AnnotationRecord, AttachResult
@@ -10,7 +13,7 @@ from .kernel.commands import AnnotationSpec, CancelRun, CreateRun, RerunFrom
 from .kernel.runtime import get_kernel
 
 if TYPE_CHECKING:
-    from .models import WorkflowRun, WorkflowStage
+    from .models import WorkflowJob, WorkflowRun, WorkflowStage
 
 
 def start_run(
@@ -101,3 +104,190 @@ def run_error(run: WorkflowRun, stages: list[WorkflowStage] | None = None) -> st
         if record.status == Status.FAILED and record.error_message:
             return f"stage {record.stage_id}: {record.error_message}"
     return None
+
+
+#: ``queued_ahead`` stops counting here (the count reads at most this many index entries).
+MAX_QUEUED_AHEAD = 1000
+
+
+@dataclass(frozen=True)
+class WaitingReason:
+    """Why a run is not moving right now: one per open stage (or one for a PENDING run).
+
+    Attributes:
+        reason: ``claim`` (PENDING run, waiting for the tick), ``job_queued`` (a worker has to
+            pick the stage's job up), ``retry`` (the job waits out a retry back-off),
+            ``executing`` (a worker holds the lease), ``poll`` (a suspended stage waits for its
+            next completion check) or ``approval`` (a suspended approval stage waits for a
+            human decision).
+        stage_id: the stage concerned (``None`` for ``claim``).
+        at: when it is due, if known (next poll, retry not-before time; aware datetime).
+        message: one human sentence (no interface-specific hint: callers add their own).
+        allowed_approvers: who may decide an ``approval`` (empty: anyone with the permission).
+        queued_ahead: for ``job_queued``/``retry``, how many PENDING jobs a worker serves
+            first (capped at ``MAX_QUEUED_AHEAD``; ``None`` when not counted).
+        attempt: the job's delivery count so far (``retry``), else ``None``.
+        max_attempts: the job's delivery limit (``retry``), else ``None``.
+        worker_id: the worker holding the lease (``executing``), else ``None``.
+    """
+
+    reason: str
+    stage_id: str | None
+    at: datetime | None = None
+    message: str = ""
+    allowed_approvers: tuple[str, ...] = ()
+    queued_ahead: int | None = None
+    attempt: int | None = None
+    max_attempts: int | None = None
+    worker_id: str | None = None
+
+    @property
+    def is_human(self) -> bool:
+        """Whether a person has to act (an approval decision)."""
+        return self.reason == "approval"
+
+
+def queued_ahead(job: WorkflowJob, cap: int = MAX_QUEUED_AHEAD) -> int:
+    """How many PENDING jobs a worker takes before ``job`` (claim order: priority descending,
+    then oldest run, then job id; SPEC §1.7), counting at most ``cap`` (one bounded query that
+    walks the claim index)."""
+    from django.db.models import Q
+
+    from .models import Status, WorkflowJob
+
+    ahead = Q(priority__gt=job.priority)
+    if job.run_created_at is not None:
+        ahead |= Q(priority=job.priority, run_created_at__lt=job.run_created_at)
+        ahead |= Q(priority=job.priority, run_created_at=job.run_created_at, pk__lt=job.pk)
+    else:
+        ahead |= Q(priority=job.priority, pk__lt=job.pk)
+    ids = (
+        WorkflowJob.objects.filter(ahead, status=Status.PENDING)
+        .exclude(pk=job.pk)
+        .order_by()
+        .values("pk")[:cap]
+    )
+    return WorkflowJob.objects.filter(pk__in=ids).count()
+
+
+def waiting_reasons(
+    run: WorkflowRun,
+    stages: list[WorkflowStage] | None = None,
+    jobs: dict[str, WorkflowJob] | None = None,
+    *,
+    count_queue: bool = False,
+    now: datetime | None = None,
+) -> list[WaitingReason]:
+    """Why ``run`` is where it is: one :class:`WaitingReason` per open stage, ``[]`` for a
+    terminal run.
+
+    Args:
+        run: the run.
+        stages: its stage records (read when ``None``: one query).
+        jobs: its open jobs by stage id (PENDING or RUNNING; read when ``None`` and the run is
+            active: one query).
+        count_queue: also count the jobs queued ahead of each queued job (one bounded query
+            per queued job; see :func:`queued_ahead`). Lists leave it off.
+        now: the time a due retry is compared with (default: ``timezone.now()``).
+
+    Used by the admin (list and run page), the HTTP API (``waiting``) and usable by the CLI.
+    A routing layer adds its own reasons (e.g. "waiting for a gpu worker") here.
+    """
+    from django.utils import timezone
+
+    from .approval import APPROVAL_KIND
+    from .models import TERMINAL_RUN_STATUSES, Status, WorkflowJob, WorkflowStage
+
+    if run.status == Status.PENDING:
+        return [
+            WaitingReason(
+                "claim", None, message="waiting for the maintenance tick to claim the run"
+            )
+        ]
+    if run.status in TERMINAL_RUN_STATUSES:
+        return []
+    if stages is None:
+        stages = list(
+            WorkflowStage.objects.filter(run=run).order_by("execution_group", "stage_number")
+        )
+    if jobs is None:
+        jobs = {}
+        for job in WorkflowJob.objects.filter(
+            workflow_run_id=run.pk, status__in=[Status.PENDING, Status.RUNNING]
+        ).order_by("id"):
+            jobs[job.stage_id] = job
+    now = now or timezone.now()
+    out: list[WaitingReason] = []
+    for stage in stages:
+        job = jobs.get(stage.stage_id)
+        if stage.status == Status.SUSPENDED:
+            state = stage.suspended_state if isinstance(stage.suspended_state, dict) else {}
+            if state.get("kind") == APPROVAL_KIND:
+                approvers = tuple(str(a) for a in state.get("allowed_approvers") or ())
+                who = f" by one of {', '.join(approvers)}" if approvers else ""
+                out.append(
+                    WaitingReason(
+                        "approval",
+                        stage.stage_id,
+                        at=stage.next_poll_at,
+                        message=f"waiting for an approval decision{who}",
+                        allowed_approvers=approvers,
+                    )
+                )
+            else:
+                out.append(
+                    WaitingReason(
+                        "poll",
+                        stage.stage_id,
+                        at=stage.next_poll_at,
+                        message="suspended until its next completion check",
+                    )
+                )
+        elif job is not None and job.status == Status.PENDING:
+            ahead = queued_ahead(job) if count_queue else None
+            if job.attempt > 0 and job.next_poll_at is not None and job.next_poll_at > now:
+                out.append(
+                    WaitingReason(
+                        "retry",
+                        stage.stage_id,
+                        at=job.next_poll_at,
+                        message=f"delivery {job.attempt + 1} of {job.max_attempts} after back-off",
+                        queued_ahead=ahead,
+                        attempt=job.attempt,
+                        max_attempts=job.max_attempts,
+                    )
+                )
+            elif job.attempt > 0:
+                out.append(
+                    WaitingReason(
+                        "retry",
+                        stage.stage_id,
+                        at=job.next_poll_at,
+                        message=f"delivery {job.attempt + 1} of {job.max_attempts} is due",
+                        queued_ahead=ahead,
+                        attempt=job.attempt,
+                        max_attempts=job.max_attempts,
+                    )
+                )
+            else:
+                out.append(
+                    WaitingReason(
+                        "job_queued",
+                        stage.stage_id,
+                        at=job.next_poll_at,
+                        message="queued for a worker",
+                        queued_ahead=ahead,
+                    )
+                )
+        elif stage.status == Status.RUNNING or (job is not None and job.status == Status.RUNNING):
+            out.append(
+                WaitingReason(
+                    "executing",
+                    stage.stage_id,
+                    message="a worker is executing the stage",
+                    worker_id=job.worker_id if job is not None else None,
+                )
+            )
+        elif stage.status == Status.PENDING:
+            out.append(WaitingReason("job_queued", stage.stage_id, message="queued for a worker"))
+    return out

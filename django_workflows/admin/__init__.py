@@ -1,10 +1,15 @@
 """The Django admin of django-workflows (autodiscovered as ``django_workflows.admin``).
 
-* Runs (:mod:`.runs`): list with status, progress and duration; a read-only detail page with
-  the stage records, a timeline of events, annotations and logs, and the run's jobs; "Cancel
-  selected runs" dispatches ``run.cancel``.
+* Runs (:mod:`.runs`): a list that says why each run waits (or why it failed), filters for
+  "waiting for a human" and "has failures"; a read-only run page with the stages (including
+  not-started ones, tracebacks collapsed), rerun markers, a Gantt chart (:mod:`.gantt`), the
+  jobs and a paginated timeline (:mod:`.timeline`).
+* Operations (:mod:`.operations`): cancel (one, or a bulk selection), rerun from a stage,
+  approve / reject a waiting approval, attach an annotation; replay one, the selected or all
+  dead letters, skip one. Each has a confirmation page, a reason or note, a History record and
+  its own permission (the custom permissions the HTTP API uses).
 * Jobs, outbox events, logs, annotations and idempotency keys (:mod:`.records`): read-only
-  lists; "Replay dead letters" dispatches ``plugin.replayDLQ``.
+  lists with exact-match search and bounded filters.
 
 The kernel owns every status field: the admin reads models and dispatches commands, it never
 saves a run, stage or job itself.
@@ -19,7 +24,7 @@ from .records import (
     WorkflowJobAdmin,
     WorkflowLogAdmin,
 )
-from .runs import WorkflowRunAdmin, WorkflowStageInline
+from .runs import WorkflowRunAdmin
 
 __all__ = [
     "IdempotencyKeyAdmin",
@@ -28,5 +33,4 @@ __all__ = [
     "WorkflowJobAdmin",
     "WorkflowLogAdmin",
     "WorkflowRunAdmin",
-    "WorkflowStageInline",
 ]

@@ -12,11 +12,13 @@ from datetime import datetime
 from typing import Any
 
 from django.contrib import admin
+from django.core.paginator import Paginator
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
+from django.utils.functional import cached_property
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
@@ -113,6 +115,20 @@ def duration_display(
     return "-"
 
 
+def compact_time(at: datetime | None) -> SafeString | str:
+    """``2026-12-01`` over ``14:00:27.125`` (local time, ms; the ISO time as a tooltip), so a
+    time column stays narrow; ``-`` for ``None``."""
+    if at is None:
+        return "-"
+    local = timezone.localtime(at)
+    return format_html(
+        '<span class="dw-nowrap" title="{}">{}<br>{}</span>',
+        at.isoformat(),
+        local.strftime("%Y-%m-%d"),
+        local.strftime("%H:%M:%S.%f")[:-3],
+    )
+
+
 def to_json(value: Any) -> str:
     """``value`` as indented JSON (Django's encoder, so datetimes and UUIDs render)."""
     return json.dumps(value, indent=2, ensure_ascii=False, cls=DjangoJSONEncoder, default=str)
@@ -144,6 +160,12 @@ def short_json(value: Any, limit: int = 80) -> str:
         return "-"
     text = json.dumps(value, ensure_ascii=False, cls=DjangoJSONEncoder, default=str)
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _registry() -> Any:
+    from ..definition.registry import registry
+
+    return registry
 
 
 def run_change_url(run_id: Any) -> str | None:
@@ -196,7 +218,90 @@ class StatusFilter(admin.SimpleListFilter):
         return None
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class CappedPaginator(Paginator):
+    """A paginator that never runs a full ``COUNT(*)``: it counts only as far as the requested
+    page plus ``PAGES_AHEAD`` pages (``SELECT COUNT(*) FROM (SELECT ... LIMIT n)``), so a list
+    of millions of rows costs about what a list of thousands does. ``capped`` says that more
+    rows exist than were counted (the list then shows "N+" and its last page link moves on as
+    the operator pages forward).
+
+    Args:
+        page_hint: the page the request asks for (1-based; the admin passes ``?p=``).
+    """
+
+    #: Pages counted beyond the requested one.
+    PAGES_AHEAD = 20
+    #: Rows counted at most, whatever the page (pages beyond it are not reachable).
+    MAX_COUNT = 1_000_000
+
+    def __init__(self, *args: Any, page_hint: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.page_hint = max(1, page_hint)
+
+    @cached_property
+    def count(self) -> int:
+        qs = self.object_list
+        if not isinstance(qs, QuerySet):
+            return len(qs)
+        cap = min(self.MAX_COUNT, (self.page_hint + self.PAGES_AHEAD) * int(self.per_page))
+        n = qs.order_by()[: cap + 1].count()
+        self.capped = n > cap
+        return min(n, cap)
+
+    capped = False
+
+
+class CappedPaginationMixin:
+    """Gives :class:`CappedPaginator` the requested page number (``?p=``)."""
+
+    paginator = CappedPaginator
+
+    def get_paginator(
+        self,
+        request: HttpRequest,
+        queryset: Any,
+        per_page: int,
+        orphans: int = 0,
+        allow_empty_first_page: bool = True,
+    ) -> Paginator:
+        raw = request.GET.get("p", "1")
+        page = int(raw) if raw.isascii() and raw.isdigit() and len(raw) < 9 else 1
+        return CappedPaginator(queryset, per_page, orphans, allow_empty_first_page, page_hint=page)
+
+
+class WorkflowFilter(admin.SimpleListFilter):
+    """The registered workflow ids (bounded by the _registry(), no ``SELECT DISTINCT`` over the
+    table); any other id works as ``?workflow_id=...``."""
+
+    title = "workflow"
+    parameter_name = "workflow_id"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(wid, wid) for wid in sorted(wf.id for wf in _registry())[:100]]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        return queryset.filter(workflow_id=self.value()) if self.value() else None
+
+
+def fixed_choices_filter(field: str, title: str, choices: tuple[str, ...]) -> type:
+    """A list filter on ``field`` offering ``choices`` (a fixed, bounded list) instead of the
+    ``SELECT DISTINCT`` over the whole table that a plain field filter runs."""
+
+    class FixedChoicesFilter(admin.SimpleListFilter):
+        parameter_name = field
+
+        def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+            return [(c, c) for c in choices]
+
+        def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+            return queryset.filter(**{field: self.value()}) if self.value() else None
+
+    FixedChoicesFilter.title = title
+    FixedChoicesFilter.__name__ = f"{field.title().replace('_', '')}Filter"
+    return FixedChoicesFilter
+
+
+class ReadOnlyAdmin(CappedPaginationMixin, admin.ModelAdmin):
     """An admin that shows rows and never adds, changes or deletes them.
 
     The kernel owns these tables; with no change permission Django renders the detail page in
@@ -205,6 +310,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
     list_per_page = 50
     show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER  # facet counts scan the table
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False

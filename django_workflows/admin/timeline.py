@@ -1,7 +1,8 @@
 """The data of a run's timeline: outbox events, annotations and logs merged in time order.
 
 Three queries, whatever the size of the run: each source is read newest first up to ``limit``
-rows, then the three lists are merged oldest first. Entries at the same instant keep a stable
+rows (``page`` 2, 3, ... reads the next older rows), then the three lists are merged oldest
+first. Entries at the same instant keep a stable
 order: events (by sequence), then logs, then annotations (each by id).
 """
 
@@ -75,6 +76,11 @@ class Timeline:
     entries: list[TimelineEntry] = field(default_factory=list)
     truncated: list[str] = field(default_factory=list)
     limit: int = DEFAULT_LIMIT
+    page: int = 1
+
+    @property
+    def has_older(self) -> bool:
+        return bool(self.truncated)
 
 
 def event_state(event: OutboxEvent, run_blocked: bool) -> str:
@@ -106,7 +112,11 @@ def event_summary(payload: Any) -> str:
             return str(payload[key])
     if "progress" in payload:
         message = payload.get("message") or ""
-        return f"{payload['progress']:g}% {message}".strip()
+        try:
+            percent = f"{float(payload['progress']):.0f}%"
+        except (TypeError, ValueError):
+            percent = str(payload["progress"])
+        return f"{percent} {message}".strip()
     if payload.get("next_poll_at"):
         return f"next poll at {payload['next_poll_at']}"
     if payload.get("key"):
@@ -114,16 +124,26 @@ def event_summary(payload: Any) -> str:
     return ""
 
 
-def _latest(qs: QuerySet[Any], order: tuple[str, ...], limit: int) -> tuple[list[Any], bool]:
-    rows = list(qs.order_by(*(f"-{f}" for f in order))[: limit + 1])
+def _latest(
+    qs: QuerySet[Any], order: tuple[str, ...], limit: int, offset: int = 0
+) -> tuple[list[Any], bool]:
+    rows = list(qs.order_by(*(f"-{f}" for f in order))[offset : offset + limit + 1])
     truncated = len(rows) > limit
     return list(reversed(rows[:limit])), truncated
 
 
-def build_timeline(run: WorkflowRun, limit: int = DEFAULT_LIMIT) -> Timeline:
-    """The timeline of ``run``: at most ``limit`` of the newest rows of each source."""
-    timeline = Timeline(limit=limit)
-    events, cut = _latest(OutboxEvent.objects.filter(workflow_run_id=run.pk), ("sequence",), limit)
+def build_timeline(run: WorkflowRun, limit: int = DEFAULT_LIMIT, page: int = 1) -> Timeline:
+    """The timeline of ``run``: page ``page`` (1 = newest) of at most ``limit`` rows of each
+    source. ``annotation:created`` events are left out: the annotation rows they announce are
+    shown themselves (once each)."""
+    timeline = Timeline(limit=limit, page=page)
+    offset = (max(1, page) - 1) * limit
+    events, cut = _latest(
+        OutboxEvent.objects.filter(workflow_run_id=run.pk).exclude(event_type="annotation:created"),
+        ("sequence",),
+        limit,
+        offset,
+    )
     if cut:
         timeline.truncated.append("events")
     blocked = any(e.dlq_at is not None and e.published_at is None for e in events)
@@ -146,7 +166,10 @@ def build_timeline(run: WorkflowRun, limit: int = DEFAULT_LIMIT) -> Timeline:
             )
         )
     logs, cut = _latest(
-        WorkflowLog.objects.filter(run=run).select_related("stage"), ("created_at", "id"), limit
+        WorkflowLog.objects.filter(run=run).select_related("stage"),
+        ("created_at", "id"),
+        limit,
+        offset,
     )
     if cut:
         timeline.truncated.append("logs")
@@ -167,6 +190,7 @@ def build_timeline(run: WorkflowRun, limit: int = DEFAULT_LIMIT) -> Timeline:
         WorkflowAnnotation.objects.filter(run=run).select_related("stage_record"),
         ("created_at", "id"),
         limit,
+        offset,
     )
     if cut:
         timeline.truncated.append("annotations")

@@ -46,7 +46,7 @@ from ..models import (
     WorkflowRun,
     WorkflowStage,
 )
-from ..runs import run_error
+from ..runs import run_error, waiting_reasons
 from . import serializers as s
 from .errors import APIError, RunNotFound, error_body, exception_handler, kernel_error
 from .pagination import RunCursorPagination
@@ -399,60 +399,23 @@ def _envelope(data: dict[str, Any]) -> dict[str, Any]:
 def _waiting(
     run: WorkflowRun, stages: list[WorkflowStage], jobs: dict[str, WorkflowJob]
 ) -> list[dict[str, Any]]:
-    """Why ``run`` is not moving: one entry per open stage (see ``WaitingSerializer``)."""
-    if run.status == Status.PENDING:
-        return [
-            {
-                "reason": "claim",
-                "stage_id": None,
-                "at": None,
-                "message": "waiting for the maintenance tick to claim the run",
-                "allowed_approvers": [],
-            }
-        ]
-    if run.status != Status.RUNNING:
-        return []
+    """Why ``run`` is not moving (:func:`django_workflows.runs.waiting_reasons`), as
+    ``WaitingSerializer`` dicts; an approval names the API's approve/ and reject/ routes."""
     out = []
-    for stage in stages:
-        job = jobs.get(stage.stage_id)
-        entry: dict[str, Any] = {
-            "stage_id": stage.stage_id,
-            "at": None,
-            "allowed_approvers": [],
-        }
-        if stage.status == Status.SUSPENDED:
-            state = stage.suspended_state if isinstance(stage.suspended_state, dict) else {}
-            entry["at"] = stage.next_poll_at
-            if state.get("kind") == approval.APPROVAL_KIND:
-                approvers = [str(a) for a in state.get("allowed_approvers") or ()]
-                entry.update(
-                    reason="approval",
-                    allowed_approvers=approvers,
-                    message="waiting for a decision (POST approve/ or reject/)"
-                    + (f" by one of {', '.join(approvers)}" if approvers else ""),
-                )
-            else:
-                entry.update(reason="poll", message="suspended until its next completion check")
-        elif job is not None and job.status == Status.PENDING:
-            if job.attempt > 0:
-                entry.update(
-                    reason="retry",
-                    at=job.next_poll_at,
-                    message=f"delivery {job.attempt + 1} of {job.max_attempts} after back-off",
-                )
-            else:
-                entry.update(
-                    reason="job_queued",
-                    at=job.next_poll_at,
-                    message="queued for a worker",
-                )
-        elif stage.status == Status.RUNNING or (job is not None and job.status == Status.RUNNING):
-            entry.update(reason="executing", message="a worker is executing the stage")
-        elif stage.status == Status.PENDING:
-            entry.update(reason="job_queued", message="queued for a worker")
-        else:
-            continue
-        out.append(entry)
+    for w in waiting_reasons(run, stages, jobs):
+        message = w.message
+        if w.reason == "approval":
+            who = f" by one of {', '.join(w.allowed_approvers)}" if w.allowed_approvers else ""
+            message = f"waiting for a decision (POST approve/ or reject/){who}"
+        out.append(
+            {
+                "reason": w.reason,
+                "stage_id": w.stage_id,
+                "at": w.at,
+                "message": message,
+                "allowed_approvers": list(w.allowed_approvers),
+            }
+        )
     return out
 
 

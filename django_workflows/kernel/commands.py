@@ -228,12 +228,22 @@ class CancelRunResult(Result):
 
 @dataclass(frozen=True)
 class RerunFrom:
-    """Rerun a COMPLETED or FAILED run from the execution group of ``from_stage_id`` (§4.5)."""
+    """Rerun a COMPLETED or FAILED run from the execution group of ``from_stage_id`` (§4.5).
+
+    Attributes:
+        actor: who asked for the rerun (e.g. ``"user:alice"``); kept in the rerun marker.
+        reason: why (free text, at most 2,000 characters kept); kept in the rerun marker.
+
+    The rerun marker is the ``rerun`` member of the ``workflow:started`` event the command
+    appends: ``{"from_stage_id", "generation", "actor", "reason"}`` (``None`` members left out).
+    """
 
     type: ClassVar[str] = "run.rerunFrom"
     workflow_run_id: Any
     from_stage_id: str
     idempotency_key: str | None = None
+    actor: str | None = None
+    reason: str | None = None
 
 
 @dataclass
@@ -360,10 +370,17 @@ class FlushOutboxResult(Result):
 
 @dataclass(frozen=True)
 class ReplayDeadLetters:
-    """Re-arm up to ``max_events`` dead-lettered outbox events (EV-32)."""
+    """Re-arm up to ``max_events`` dead-lettered outbox events (EV-32).
+
+    Attributes:
+        max_events: at most this many rows (>= 0).
+        event_ids: only these outbox row ids (``OutboxEvent.id``); ids that are not dead
+            letters are left alone (``None``: any dead letter).
+    """
 
     type: ClassVar[str] = "plugin.replayDLQ"
     max_events: int = 100
+    event_ids: tuple[int, ...] | None = None
 
 
 @dataclass

@@ -8,6 +8,7 @@ executor machinery itself propagates out of ``job.execute`` (K-JE-8).
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
@@ -66,6 +67,10 @@ class ExecutionOutcome:
     suspend: SuspendOutcome | None = None
     error: str | None = None
     retryable: bool | None = None
+    #: The formatted traceback of an exception raised by the stage body (at most
+    #: ``MAX_TRACEBACK_CHARS`` characters, innermost frames kept); stored in the failed stage's
+    #: ``metrics["traceback"]`` and shown collapsed in the admin.
+    traceback: str | None = None
     progress: list[dict[str, Any]] = field(default_factory=list)
     annotations: list[AnnotationInput] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -78,6 +83,20 @@ class Executor(Protocol):
     """Runs one stage execution (K-30)."""
 
     def run(self, execution: ExecutionInput) -> ExecutionOutcome: ...
+
+
+#: Longest traceback kept with a failed stage (characters); the innermost frames are kept.
+MAX_TRACEBACK_CHARS = 8000
+
+
+def traceback_text(exc: BaseException) -> str:
+    """The formatted traceback of ``exc``, storable in a text/JSON column and cut to its last
+    ``MAX_TRACEBACK_CHARS`` characters (a ``… N characters cut`` line first when cut)."""
+    text = storable_text("".join(traceback.format_exception(exc)))
+    if len(text) > MAX_TRACEBACK_CHARS:
+        cut = len(text) - MAX_TRACEBACK_CHARS
+        text = f"… ({cut} characters cut)\n{text[-MAX_TRACEBACK_CHARS:]}"
+    return text
 
 
 def error_text(exc: BaseException) -> str:
@@ -196,6 +215,7 @@ class LocalExecutor:
                 outcome.retryable = False
             else:
                 outcome.error = error_text(exc)
+                outcome.traceback = traceback_text(exc)
                 non_retryable = isinstance(exc, ValidationError | AnnotationError)
                 outcome.retryable = False if non_retryable else None
         if ctx is not None:

@@ -174,13 +174,15 @@ def test_rerun_clears_the_previous_outcome_of_the_run(
     kernel_for: KernelFor, clock: FakeClock
 ) -> None:
     """K-RR-4, A.5 EX :225: after the rerun the run is RUNNING with output, duration and
-    completed_at cleared, totals 0 and ``started_at`` = now."""
+    completed_at cleared, totals 0; ``started_at`` keeps the run's first start (issue 10: a rerun
+    is recorded by its marker, not by overwriting when the run started)."""
     kernel = kernel_for(two_stage())
     run_id = _finished_run(kernel, "two-stage")
     WorkflowRun.objects.filter(pk=run_id).update(total_cost=1.5, total_tokens=99)
+    first_start = WorkflowRun.objects.get(pk=run_id).started_at
     clock.advance(60)
 
-    kernel.dispatch(RerunFrom(run_id, "add-10"))
+    kernel.dispatch(RerunFrom(run_id, "add-10", actor="user:alice", reason="bad <b>input</b>"))
 
     run = WorkflowRun.objects.get(pk=run_id)
     assert (run.status, run.output, run.duration_ms, run.completed_at) == (
@@ -189,7 +191,17 @@ def test_rerun_clears_the_previous_outcome_of_the_run(
         None,
         None,
     )
-    assert (run.total_cost, run.total_tokens, run.started_at) == (0, 0, clock.now())
+    assert (run.total_cost, run.total_tokens, run.started_at) == (0, 0, first_start)
+    assert first_start is not None and first_start < clock.now()
+    started = OutboxEvent.objects.filter(
+        workflow_run_id=run_id, event_type="workflow:started"
+    ).order_by("-sequence")[0]
+    assert started.payload["rerun"] == {
+        "from_stage_id": "add-10",
+        "generation": 1,
+        "actor": "user:alice",
+        "reason": "bad <b>input</b>",
+    }
 
 
 def test_rerun_from_stage_one_reads_the_run_input_again(kernel_for: KernelFor) -> None:

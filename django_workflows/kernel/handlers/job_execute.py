@@ -326,6 +326,8 @@ def _fail(
         completed_at=now,
         duration_ms=_ms(start, now),
         error_message=outcome.error,
+        # The traceback rides in the same UPDATE (no extra statement on the stage path).
+        metrics={"traceback": outcome.traceback} if outcome.traceback else record.metrics,
         **last_progress,
     )
     events.append(

@@ -1,6 +1,8 @@
 """``plugin.replayDLQ`` (SPEC §4.11, EV-32): re-arm dead-lettered outbox events.
 
 A re-armed row starts over: ``dlq_at`` and ``last_error`` are cleared, ``retry_count`` is 0.
+``event_ids`` limits the replay to a selection (the admin's "Replay" of one dead letter); the
+admin keeps the cleared error and retry count in its History record.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ if TYPE_CHECKING:
 
 
 def handle(kernel: Kernel, cmd: ReplayDeadLetters) -> ReplayDeadLettersResult:
+    dead = OutboxEvent.objects.filter(dlq_at__isnull=False, published_at__isnull=True)
+    if cmd.event_ids is not None:
+        dead = dead.filter(pk__in=[int(i) for i in cmd.event_ids])
     ids = list(
-        OutboxEvent.objects.filter(dlq_at__isnull=False, published_at__isnull=True)
-        .order_by("workflow_run_id", "sequence")
-        .values_list("pk", flat=True)[: max(0, cmd.max_events)]
+        dead.order_by("workflow_run_id", "sequence").values_list("pk", flat=True)[
+            : max(0, cmd.max_events)
+        ]
     )
     replayed = OutboxEvent.objects.filter(pk__in=ids).update(
         dlq_at=None, retry_count=0, last_error=None

@@ -4,8 +4,11 @@ Refuses (nothing changed) unless the run is COMPLETED or FAILED, the workflow is
 stage exists, and every earlier execution group is COMPLETED (Part I item 10, naming the stage
 that is not). Then, in one transaction: delete the records of the target group and later groups
 (their annotations survive with the stage link nulled, AN-13), delete what those stages stored in
-the blob store, reset the run to RUNNING, create PENDING records of the target group with
-``attempt = previous max + 1``, enqueue their jobs, and append ``workflow:started``.
+the blob store, reset the run to RUNNING (``started_at`` keeps the first start), create PENDING
+records of the target group with ``attempt = previous max + 1`` (the rerun generation), enqueue
+their jobs, and append
+``workflow:started`` with the rerun marker (``rerun``: from which stage, generation, actor,
+reason).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from ...models import Status, WorkflowStage
 from .. import events as ev
 from ..commands import RerunFrom, RerunFromResult
 from ..errors import RunNotFoundError, RunStateError, StageNotFoundError, WorkflowNotFoundError
+from ..jsonvalue import storable_text
 from ..locking import lock_run, parse_run_id
 from ..store import create_missing_stages, stages_of, update_run
 from .base import HandlerOutput, enqueue_stage_jobs
@@ -56,11 +60,12 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
     deleted_ids = [r.stage_id for r in deleted]
     kernel.blobs.delete_stage_blobs(str(run_id), deleted_ids)
     WorkflowStage.objects.filter(pk__in=[r.pk for r in deleted]).delete()
+    # started_at keeps the run's first start (an operator asked "when did this run start",
+    # not "when was it last rerun": the rerun time is in the marker below).
     update_run(
         run_id,
         now,
         status=Status.RUNNING,
-        started_at=now,
         completed_at=None,
         duration_ms=None,
         output=None,
@@ -72,5 +77,20 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
     enqueue_stage_jobs(kernel.queue, run, new)
     return HandlerOutput(
         RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids),
-        [ev.event(ev.WORKFLOW_STARTED, run_id, now)],
+        [ev.event(ev.WORKFLOW_STARTED, run_id, now, rerun=_marker(cmd, attempt))],
     )
+
+
+#: Longest rerun reason kept in the marker (characters).
+MAX_REASON_CHARS = 2000
+
+
+def _marker(cmd: RerunFrom, generation: int) -> dict[str, object]:
+    """The rerun marker of the ``workflow:started`` event: from which stage, the new
+    generation, who and why (``None`` members left out)."""
+    marker: dict[str, object] = {"from_stage_id": cmd.from_stage_id, "generation": generation}
+    if cmd.actor:
+        marker["actor"] = str(cmd.actor)[:200]
+    if cmd.reason:
+        marker["reason"] = storable_text(str(cmd.reason))[:MAX_REASON_CHARS]
+    return marker
