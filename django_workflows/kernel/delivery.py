@@ -108,9 +108,15 @@ class _Discard(Exception):
 # --- 1. Lease ---------------------------------------------------------------------------------
 
 
-def lease(kernel: Kernel, worker_id: str) -> Delivery | None:
+def lease(
+    kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None
+) -> Delivery | None:
     """Transaction 1: lease the next ready job (or claim a PENDING run and lease its first job)
     and start its stage. ``None`` when there is no work.
+
+    ``queues``: the queues this worker serves (``None``: all). Only their jobs are leased; a
+    claimed run whose first jobs are of other queues is started, its jobs left PENDING for
+    their queues' workers (woken after commit), and the next job is tried.
 
     A job whose run is not RUNNING is failed as a ghost, a job whose stage record is already
     COMPLETED (K-JE-5) is completed and its run transitioned, and the next job is tried.
@@ -133,7 +139,7 @@ def lease(kernel: Kernel, worker_id: str) -> Delivery | None:
                 locked[job.pk] = run  # type: ignore[assignment]
                 return True
 
-            job = kernel.queue.lease_next(worker_id, accept=run_is_free)
+            job = kernel.queue.lease_next(worker_id, accept=run_is_free, queues=queues)
             run: WorkflowRun | None
             records: list[WorkflowStage] | None = None
             if job is not None:
@@ -142,10 +148,12 @@ def lease(kernel: Kernel, worker_id: str) -> Delivery | None:
                 run = claim_next_pending_run()
                 if run is None:
                     return None
-                started = start_claimed_run(kernel, run, worker_id, events, reserve_for=worker_id)
-                if started is None or not started.jobs:
+                started = start_claimed_run(
+                    kernel, run, worker_id, events, reserve_for=worker_id, serves=queues
+                )
+                if started is None or not started.jobs or started.jobs[0].worker_id != worker_id:
                     append_events(events, new_causation_id(), kernel.clock.now())
-                    continue  # the run was failed instead (committed): look again
+                    continue  # failed instead, or not this worker's queue (committed): look again
                 job, records = started.jobs[0], started.records
             try:
                 delivery = begin(kernel, job, run, events, records=records)
@@ -285,10 +293,12 @@ def commit_outcome(
     services: KernelStageServices,
     worker_id: str | None,
     stop: threading.Event | None = None,
+    queues: frozenset[str] | None = None,
 ) -> Outcome:
     """Transaction 3: settle the job fenced by the delivery's token, write the outcome,
     transition the run and (with ``worker_id``, unless ``stop`` is set by then) lease the
-    run's next stage to this worker.
+    run's next stage to this worker if it serves that stage's queue (``queues``; ``None``:
+    all).
     """
     d = delivery
     job = d.job
@@ -327,7 +337,9 @@ def commit_outcome(
             else:
                 stopping = stop is not None and stop.is_set()
                 reserve_for = None if stopping else worker_id
-                following = _transition(kernel, d, run, stage_result, events, now, reserve_for)
+                following = _transition(
+                    kernel, d, run, stage_result, events, now, reserve_for, queues
+                )
             append_events(events, d.causation_id, now)
             fault_point("outcome.before_commit")
     except _Discard:
@@ -370,9 +382,10 @@ def _transition(
     events: list[dict[str, Any]],
     now: datetime,
     worker_id: str | None,
+    queues: frozenset[str] | None,
 ) -> Delivery | None:
     """Advance the run in the outcome transaction; returns the next stage's delivery when the
-    transition leased one to ``worker_id``.
+    transition leased one to ``worker_id`` (only a stage of one of its ``queues``).
     """
     d.record.status = Status.COMPLETED if stage_result.outcome == "completed" else Status.FAILED
     d.record.error_message = stage_result.error
@@ -383,7 +396,9 @@ def _transition(
     outputs = dict(d.outputs)
     if stage_result.outcome == "completed":
         outputs[d.node.stage.id] = stage_result.output
-    step = advance(kernel, d.workflow, run, records, now, outputs=outputs, reserve_for=worker_id)
+    step = advance(
+        kernel, d.workflow, run, records, now, outputs=outputs, reserve_for=worker_id, serves=queues
+    )
     events += step.events
     if step.reserved_job is None:
         return None
@@ -416,10 +431,11 @@ def deliver(
     delivery: Delivery,
     worker_id: str | None,
     stop: threading.Event | None = None,
+    queues: frozenset[str] | None = None,
 ) -> Outcome:
     """Steps 2 and 3 for one leased delivery; see :func:`commit_outcome`."""
     outcome, services = execute(kernel, delivery)
-    return commit_outcome(kernel, delivery, outcome, services, worker_id, stop)
+    return commit_outcome(kernel, delivery, outcome, services, worker_id, stop, queues)
 
 
 @dataclass
@@ -435,10 +451,12 @@ def work(
     *,
     max_jobs: int = 1,
     stop: threading.Event | None = None,
+    queues: frozenset[str] | None = None,
 ) -> WorkResult:
     """Deliver jobs until there is no work, ``max_jobs`` deliveries were made, or ``stop`` is
     set (H-42; Part I item 18: a stop request lets the current delivery finish). A delivery
     that leased its run's next stage continues with it before leasing anything else.
+    ``queues``: the queues this worker serves (``None``: all; issue 8 item 5).
     """
     out = WorkResult()
     current: Delivery | None = None
@@ -446,11 +464,11 @@ def work(
         if current is None:  # a delivery leased by the last outcome is in flight: finish it
             if out.processed >= max_jobs or (stop is not None and stop.is_set()):
                 break
-            current = lease(kernel, worker_id)
+            current = lease(kernel, worker_id, queues)
             if current is None:
                 break
         can_continue = out.processed + 1 < max_jobs
-        result = deliver(kernel, current, worker_id if can_continue else None, stop)
+        result = deliver(kernel, current, worker_id if can_continue else None, stop, queues)
         out.processed += 1
         if result.outcome in ("failed", "ghost", "discarded"):
             out.failed += 1
