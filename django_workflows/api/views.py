@@ -35,6 +35,7 @@ from ..kernel.errors import (
     RunStateError,
     WorkflowError,
 )
+from ..kernel.routing import describe_waiting, live_queues
 from ..kernel.runtime import get_kernel
 from ..models import (
     TERMINAL_RUN_STATUSES,
@@ -399,7 +400,11 @@ def _envelope(data: dict[str, Any]) -> dict[str, Any]:
 def _waiting(
     run: WorkflowRun, stages: list[WorkflowStage], jobs: dict[str, WorkflowJob]
 ) -> list[dict[str, Any]]:
-    """Why ``run`` is not moving: one entry per open stage (see ``WaitingSerializer``)."""
+    """Why ``run`` is not moving: one entry per open stage (see ``WaitingSerializer``).
+
+    A queued job whose queue has no live worker is ``no_worker``: "waiting for a gpu worker"
+    (stage routing; one more query, only when a job is queued).
+    """
     if run.status == Status.PENDING:
         return [
             {
@@ -412,6 +417,14 @@ def _waiting(
         ]
     if run.status != Status.RUNNING:
         return []
+    live: set[str] | None = None
+
+    def idle_queues() -> set[str]:  # queues of this run's pending jobs with no live worker
+        nonlocal live
+        if live is None:
+            live = live_queues()
+        return {j.queue for j in jobs.values()} - live
+
     out = []
     for stage in stages:
         job = jobs.get(stage.stage_id)
@@ -434,7 +447,13 @@ def _waiting(
             else:
                 entry.update(reason="poll", message="suspended until its next completion check")
         elif job is not None and job.status == Status.PENDING:
-            if job.attempt > 0:
+            if job.queue in idle_queues():
+                entry.update(
+                    reason="no_worker",
+                    at=job.next_poll_at,
+                    message=describe_waiting([job.queue]),
+                )
+            elif job.attempt > 0:
                 entry.update(
                     reason="retry",
                     at=job.next_poll_at,
@@ -470,7 +489,8 @@ class RunDetailView(WorkflowsAPIView):
 
     @staticmethod
     def document(view: WorkflowsAPIView, run: WorkflowRun) -> dict[str, Any]:
-        """The run detail: 2 queries (stages; open jobs, only while the run is active)."""
+        """The run detail: 2 queries (stages; open jobs, only while the run is active), and one
+        more for worker presence while a job is queued (stage routing)."""
         stages = list(
             WorkflowStage.objects.filter(run=run).order_by("execution_group", "stage_number")
         )

@@ -108,9 +108,7 @@ class _Discard(Exception):
 # --- 1. Lease ---------------------------------------------------------------------------------
 
 
-def lease(
-    kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None
-) -> Delivery | None:
+def lease(kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None) -> Delivery | None:
     """Transaction 1: lease the next ready job (or claim a PENDING run and lease its first job)
     and start its stage. ``None`` when there is no work.
 

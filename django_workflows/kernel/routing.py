@@ -77,6 +77,35 @@ def queues_served_by(cluster: str) -> frozenset[str]:
     return frozenset(q for q, c in queue_clusters().items() if c == cluster)
 
 
+def stage_queues(workflows: Iterable[Any] | None = None) -> dict[str, list[str]]:
+    """``{queue: ["workflow_id/stage_id", ...]}`` of the stages of ``workflows`` (default:
+    every registered workflow).
+    """
+    if workflows is None:
+        from ..definition.registry import registry
+
+        workflows = list(registry)
+    found: dict[str, list[str]] = {}
+    for workflow in workflows:
+        for stage in workflow.stages:
+            found.setdefault(stage.queue, []).append(f"{workflow.id}/{stage.id}")
+    return found
+
+
+def configured_clusters() -> set[str]:
+    """The django-q2 cluster names this project defines: ``Q_CLUSTER["name"]`` (or
+    ``"default"``) and the keys of ``Q_CLUSTER["ALT_CLUSTERS"]``.
+    """
+    q = getattr(settings, "Q_CLUSTER", None) or {}
+    names = {str(q.get("name") or "default")}
+    if q.get("cluster_name"):
+        names.add(str(q["cluster_name"]))
+    alt = q.get("ALT_CLUSTERS")
+    if isinstance(alt, dict):
+        names.update(str(k) for k in alt)
+    return names
+
+
 # --- Presence ---------------------------------------------------------------------------------
 
 
