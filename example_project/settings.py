@@ -1,7 +1,9 @@
 """Settings of the example project.
 
 The database is SQLite (``var/example.sqlite3``) unless ``DATABASE_URL`` names a PostgreSQL
-database, e.g. ``postgres://postgres@127.0.0.1:5432/test``.
+database, e.g. ``postgres://postgres@127.0.0.1:5432/test``. The django-q2 broker is the ORM
+unless ``Q_BROKER=redis`` (``REDIS_URL``); ``WORKFLOWS_QUEUES="gpu=gpu"`` routes stages of queue
+``gpu`` to a cluster ``gpu`` (start it with ``Q_CLUSTER_NAME=gpu python manage.py qcluster``).
 """
 
 from __future__ import annotations
