@@ -162,8 +162,8 @@ class WorkflowJob(models.Model):
     ``next_poll_at`` (the not-before time of a retry back-off) are written with the database's
     clock. ``run_created_at`` copies the run's creation time so ready jobs are served oldest
     run first (a started run finishes before newer runs start). ``queue`` is the worker pool of
-    the job's stage: a worker leases only jobs of the queues it serves (the claim index leads
-    with status and queue). There is deliberately no foreign key to the run (DM-11).
+    the job's stage: a worker leases only jobs of the queues it serves (``wf_job_queue_claim_idx``
+    leads with status and queue). There is deliberately no foreign key to the run (DM-11).
     """
 
     id = models.BigAutoField(primary_key=True)
@@ -192,6 +192,11 @@ class WorkflowJob(models.Model):
         ordering = ["-priority", "created_at", "id"]
         indexes = [
             models.Index(fields=["status", "priority"], name="wf_job_status_prio_idx"),
+            # Leases of any queue (workflows_worker, tests) walk this one in order ...
+            models.Index(
+                fields=["status", "-priority", "run_created_at", "id"], name="wf_job_claim_idx"
+            ),
+            # ... and a worker of one queue (a django-q2 cluster) this one (stage routing).
             models.Index(
                 fields=["status", "queue", "-priority", "run_created_at", "id"],
                 name="wf_job_queue_claim_idx",

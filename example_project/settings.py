@@ -104,6 +104,7 @@ TIME_ZONE = "UTC"
 LANGUAGE_CODE = "en-us"
 STATIC_URL = "static/"
 
+
 def _queues() -> dict[str, str]:
     """Stage routing: ``WORKFLOWS_QUEUES="gpu=gpu,ocr=ocr"`` -> ``{"gpu": "gpu", ...}``."""
     pairs = [p.split("=", 1) for p in os.environ.get("WORKFLOWS_QUEUES", "").split(",") if p]

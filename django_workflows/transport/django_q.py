@@ -84,7 +84,6 @@ def work(claim: bool = False) -> dict[str, Any]:
     kernel = get_kernel()
     flusher.enable(kernel)
     queues = served_queues()
-    _presence.ensure_started()
     _presence.announce_if_due()
     limit = int(workflow_settings.JOBS_PER_WAKEUP)
     result = process_available_jobs(kernel, worker_id(), max_jobs=limit, queues=queues)
@@ -124,8 +123,9 @@ def announce_presence() -> None:
 class _PresenceTimer:
     """A daemon thread per process that calls :func:`announce_presence` every
     :func:`..kernel.routing.presence_interval_seconds` (closing its connection in between), so
-    an idle worker stays visible. Started by the first ``work`` task and on django-q2's
-    ``post_spawn`` signal. Errors are logged and retried at the next interval.
+    an idle worker stays visible. Started on django-q2's ``post_spawn`` signal (in each worker
+    process; the ``work`` task also announces when due). Errors are logged and retried at the
+    next interval.
     """
 
     def __init__(self) -> None:

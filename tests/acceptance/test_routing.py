@@ -119,6 +119,8 @@ def test_a_gpu_stage_waits_for_a_gpu_cluster_then_runs_only_there(
     assert "W010" not in checks.stderr + checks.stdout  # gpu is mapped
     assert "W011" not in checks.stderr + checks.stdout  # and its cluster defined
     default = clusters(env, log="default.log")
+    # Idle workers announce their queues (the post_spawn presence timer; no task ran yet).
+    wait_for(lambda: shell_json(env, LIVE_QUEUES) == ["default"], timeout=60, interval=0.3)
     run_ids = create_runs(env, "routed-pipeline", [{"n": i} for i in range(RUNS)])
 
     # Only the default cluster: every run stops at embed, its gpu job PENDING.

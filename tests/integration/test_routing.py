@@ -79,6 +79,9 @@ def test_every_way_of_defining_a_stage_takes_a_queue() -> None:
     batch = define_async_batch_stage(
         id="batch", execute=lambda ctx: None, check_completion=lambda s, c: None, queue="gpu"
     )
+    from django_workflows.approval import approval_stage
+
+    assert approval_stage(queue="humans").queue == "humans"
     assert ocr.queue == "ocr-pool"
     assert batch.queue == "gpu"
     assert add(1).queue == "default"
@@ -367,3 +370,28 @@ def test_checks_report_unknown_and_unserved_queues(settings: Any) -> None:
         assert [m.id for m in check_routing()] == ["django_workflows.E007"]
     finally:
         registry.unregister("checked")
+
+
+def test_the_work_task_leases_its_clusters_queues_and_announces_them(
+    routed_settings: Any, monkeypatch: Any
+) -> None:
+    from django_q.conf import Conf
+
+    from django_workflows.kernel.runtime import get_kernel
+
+    workflow = define_workflow(id="gpu-only", input=Num).pipe(_gpu()).build()
+    registry.register(workflow)
+    try:
+        kernel = get_kernel()
+        run_id = kernel.dispatch(CreateRun("gpu-only", {"value": 2})).workflow_run_id
+        monkeypatch.setattr(dq, "_presence", dq._PresenceTimer())
+        assert dq.work()["processed"] == 0  # a default-cluster worker: claims, leaves the job
+        assert routing.live_queues() == {"default"}
+        assert _jobs(run_id)[0].status == Status.PENDING
+        monkeypatch.setattr(Conf, "CLUSTER_NAME", "gpu")
+        monkeypatch.setattr(dq, "_presence", dq._PresenceTimer())
+        assert dq.work()["processed"] == 1
+        assert routing.live_queues() == {"default", "gpu"}
+        assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED
+    finally:
+        registry.unregister("gpu-only")
