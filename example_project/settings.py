@@ -107,8 +107,13 @@ STATIC_URL = "static/"
 
 def _queues() -> dict[str, str]:
     """Stage routing: ``WORKFLOWS_QUEUES="gpu=gpu,ocr=ocr"`` -> ``{"gpu": "gpu", ...}``."""
-    pairs = [p.split("=", 1) for p in os.environ.get("WORKFLOWS_QUEUES", "").split(",") if p]
-    return {queue.strip(): cluster.strip() for queue, cluster in pairs}
+    queues = {}
+    for pair in filter(None, os.environ.get("WORKFLOWS_QUEUES", "").split(",")):
+        queue, sep, cluster = pair.partition("=")
+        if not sep or not queue.strip() or not cluster.strip():
+            raise RuntimeError(f"WORKFLOWS_QUEUES: expected queue=cluster pairs, got {pair!r}")
+        queues[queue.strip()] = cluster.strip()
+    return queues
 
 
 def _broker() -> dict:
