@@ -96,6 +96,13 @@ print(json.dumps(sorted(routing.live_queues())))
 """
 
 
+GPU_QUEUED = """
+import json
+from django_q.brokers import get_broker
+print(json.dumps(get_broker("gpu").queue_size()))
+"""
+
+
 def _jobs(env: dict[str, str], run_ids: list[str]) -> list[list[str]]:
     return shell_json(env, STAGE_STATES.format(run_ids=run_ids))
 
@@ -130,6 +137,10 @@ def test_a_gpu_stage_waits_for_a_gpu_cluster_then_runs_only_there(
         return len(embeds) == RUNS and all(j[2] == "PENDING" and j[3] == "gpu" for j in embeds)
 
     wait_for(stopped_at_gpu, timeout=60, interval=0.3)
+    # The gpu wake-ups wait in the gpu cluster's broker queue (ORM list_key / Redis list),
+    # capped at max_pending_wakeups although every commit and tick asked for more.
+    queued = wait_for(lambda: shell_json(env, GPU_QUEUED), timeout=30, interval=0.3)
+    assert 1 <= queued <= 8, queued
     assert "default" in shell_json(env, LIVE_QUEUES)  # the default workers are alive...
     status = _status(env, run_ids[0])
     assert "waiting:   waiting for a gpu worker" in status, status
