@@ -36,12 +36,15 @@ PRESENCE_PREFIX = "worker:"
 
 def default_cluster() -> str:
     """The django-q2 cluster of the ``"default"`` queue: the ``Q_CLUSTER_NAME`` setting, else
-    ``Q_CLUSTER["name"]`` (django-q2's own default cluster name), else ``"default"``.
+    django-q2's own default cluster as the settings define it (``Q_CLUSTER["cluster_name"]``,
+    else ``Q_CLUSTER["name"]``, else ``"default"``; not the ``Q_CLUSTER_NAME`` environment
+    variable, which selects the cluster of one process).
     """
     name = workflow_settings.Q_CLUSTER_NAME
     if name:
         return str(name)
-    return str((getattr(settings, "Q_CLUSTER", None) or {}).get("name") or "default")
+    q = getattr(settings, "Q_CLUSTER", None) or {}
+    return str(q.get("cluster_name") or q.get("name") or "default")
 
 
 def queue_clusters() -> dict[str, str]:

@@ -276,6 +276,15 @@ def test_queues_can_share_a_cluster_and_default_can_be_remapped(settings: Any) -
     assert routing.cluster_of("nope") is None
 
 
+def test_the_default_cluster_follows_the_settings_not_the_process(settings: Any) -> None:
+    assert routing.default_cluster() == "workflows"  # Q_CLUSTER["name"]
+    settings.Q_CLUSTER = {**settings.Q_CLUSTER, "cluster_name": "workers"}
+    assert routing.default_cluster() == "workers"  # what django-q2 serves without the env var
+    settings.DJANGO_WORKFLOWS = {**settings.DJANGO_WORKFLOWS, "Q_CLUSTER_NAME": "main"}
+    assert routing.default_cluster() == "main"
+    assert routing.queues_served_by("main") == {"default"}
+
+
 # --- presence and the waiting reason ----------------------------------------------------------
 
 
