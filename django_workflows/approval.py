@@ -42,7 +42,7 @@ from pydantic import BaseModel, Field
 from .conventions import Approval, Decision
 from .definition.context import CompletionContext, StageContext
 from .definition.results import CompletionCheck, Suspend
-from .definition.stage import Stage, define_async_batch_stage
+from .definition.stage import DEFAULT_QUEUE, Stage, define_async_batch_stage
 from .kernel.errors import RunStateError
 
 if TYPE_CHECKING:
@@ -109,6 +109,7 @@ def approval_stage(
     max_wait_seconds: float = 0.0,
     allowed_approvers: list[str] | tuple[str, ...] | None = None,
     fail_on_reject: bool = False,
+    queue: str = DEFAULT_QUEUE,
 ) -> Stage:
     """An async-batch stage that waits for a human decision (see the module docstring).
 
@@ -122,6 +123,7 @@ def approval_stage(
             :func:`approve` / :func:`reject` refuse others.
         fail_on_reject: a rejection fails the stage and the run instead of completing it with
             ``approved=False``.
+        queue: the worker pool that runs the stage's (trivial) ``execute`` (stage routing).
 
     Returns:
         A :class:`~django_workflows.definition.stage.Stage` whose output model is
@@ -194,6 +196,7 @@ def approval_stage(
         execute=execute,
         check_completion=check,
         dependencies=dependencies,
+        queue=queue,
     )
 
 

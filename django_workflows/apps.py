@@ -24,6 +24,15 @@ class DjangoWorkflowsConfig(AppConfig):
 
         autodiscover_modules(workflow_settings.AUTODISCOVER_MODULE)
         post_migrate.connect(_install_schedule, sender=self)
+        from django.apps import apps
+
+        if apps.is_installed("django_q"):
+            from django_q.signals import post_spawn
+
+            from .transport.django_q import on_post_spawn
+
+            # A new worker process announces its queues at once (stage routing presence).
+            post_spawn.connect(on_post_spawn, dispatch_uid="django_workflows.presence")
 
 
 def _install_schedule(using: str = "default", **kwargs: Any) -> None:

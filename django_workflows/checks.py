@@ -98,6 +98,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                     id="django_workflows.E006",
                 )
             )
+    messages += check_routing()
     for alias, db in settings.DATABASES.items():
         if db.get("ENGINE", "").endswith("sqlite3"):
             mode = (db.get("OPTIONS") or {}).get("transaction_mode")
@@ -108,6 +109,49 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                         "OPTIONS={'transaction_mode': 'IMMEDIATE'}: concurrent workers will hit "
                         "'database is locked'",
                         id="django_workflows.W002",
+                    )
+                )
+    return messages
+
+
+def check_routing() -> list[Any]:
+    """Stage routing (issue 8 item 5): ``E007`` for a malformed ``QUEUES``; ``W010`` for a
+    stage queue that ``QUEUES`` does not map (no worker ever leases its jobs); ``W011`` for a
+    queue mapped onto a django-q2 cluster that ``Q_CLUSTER`` does not define (neither its
+    ``name`` nor a key of ``ALT_CLUSTERS``: ``Q_CLUSTER_NAME=<cluster> qcluster`` cannot start).
+    """
+    from django.core.exceptions import ImproperlyConfigured
+
+    from .kernel import routing
+
+    try:
+        mapping = routing.queue_clusters()
+    except ImproperlyConfigured as exc:
+        return [Error(str(exc), id="django_workflows.E007")]
+    messages: list[Any] = []
+    used = routing.stage_queues()
+    for queue, stages in sorted(used.items()):
+        if queue not in mapping:
+            messages.append(
+                Warning(
+                    f"Stage queue {queue!r} (stages {', '.join(stages)}) is not mapped onto a "
+                    "django-q2 cluster: no worker will run these stages",
+                    hint=f"Add it to DJANGO_WORKFLOWS['QUEUES'], e.g. {{{queue!r}: {queue!r}}}, "
+                    f"and start that cluster: Q_CLUSTER_NAME={queue} python manage.py qcluster",
+                    id="django_workflows.W010",
+                )
+            )
+    if "django_q" in settings.INSTALLED_APPS:
+        clusters = routing.configured_clusters()
+        for queue, cluster in sorted(mapping.items()):
+            if cluster not in clusters:
+                messages.append(
+                    Warning(
+                        f"Queue {queue!r} is mapped onto django-q2 cluster {cluster!r}, which "
+                        f"Q_CLUSTER does not define (clusters: {', '.join(sorted(clusters))})",
+                        hint=f"Add Q_CLUSTER['ALT_CLUSTERS'] = {{{cluster!r}: {{...}}}} and "
+                        f"start it with Q_CLUSTER_NAME={cluster} python manage.py qcluster",
+                        id="django_workflows.W011",
                     )
                 )
     return messages

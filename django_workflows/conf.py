@@ -61,8 +61,14 @@ DEFAULTS: dict[str, Any] = {
     "TICKER_RUN_SECONDS": 50.0,
     # Install the django-q2 schedule for the ticker after ``migrate`` (post_migrate).
     "INSTALL_SCHEDULE": True,
-    # Name of the django-q2 cluster/queue that wake-ups are sent to (None = default).
+    # Name of the django-q2 cluster that serves the "default" queue (and gets the claim and
+    # ticker wake-ups); None = Q_CLUSTER["name"], django-q2's default cluster.
     "Q_CLUSTER_NAME": None,
+    # Stage routing (issue 8 item 5): {queue: django-q2 cluster name} for stages that name a
+    # queue (@stage(..., queue="gpu")), e.g. {"gpu": "gpu"}. Workers of a cluster lease only
+    # the jobs of its queues; "default" maps to Q_CLUSTER_NAME unless named here. A stage
+    # queue mapped nowhere is reported by system check django_workflows.W010.
+    "QUEUES": {},
     # Module that each installed app may define with its workflows (autodiscovery).
     "AUTODISCOVER_MODULE": "workflows",
     # The transport used to wake workers: "django_q" or "inline" (tests: nothing is sent).

@@ -168,8 +168,9 @@ class WorkflowJob(models.Model):
     ``worker_id``/``locked_at`` form the lease that heartbeats refresh; ``locked_at`` and
     ``next_poll_at`` (the not-before time of a retry back-off) are written with the database's
     clock. ``run_created_at`` copies the run's creation time so ready jobs are served oldest
-    run first (a started run finishes before newer runs start). There is deliberately no
-    foreign key to the run (DM-11).
+    run first (a started run finishes before newer runs start). ``queue`` is the worker pool of
+    the job's stage: a worker leases only jobs of the queues it serves (``wf_job_queue_claim_idx``
+    leads with status and queue). There is deliberately no foreign key to the run (DM-11).
     """
 
     id = models.BigAutoField(primary_key=True)
@@ -190,14 +191,22 @@ class WorkflowJob(models.Model):
     payload = _json(default=dict, blank=True)
     last_error = models.TextField(null=True, blank=True)
     run_created_at = models.DateTimeField(null=True, blank=True)
+    #: The worker pool whose workers may lease the job: its stage's ``queue`` (issue 8 item 5).
+    queue = models.CharField(max_length=40, default="default")
 
     class Meta:
         db_table = "workflow_jobs"
         ordering = ["-priority", "created_at", "id"]
         indexes = [
             models.Index(fields=["status", "priority"], name="wf_job_status_prio_idx"),
+            # Leases of any queue (workflows_worker, tests) walk this one in order ...
             models.Index(
                 fields=["status", "-priority", "run_created_at", "id"], name="wf_job_claim_idx"
+            ),
+            # ... and a worker of one queue (a django-q2 cluster) this one (stage routing).
+            models.Index(
+                fields=["status", "queue", "-priority", "run_created_at", "id"],
+                name="wf_job_queue_claim_idx",
             ),
             models.Index(fields=["next_poll_at"], name="wf_job_next_poll_idx"),
             models.Index(fields=["workflow_run_id"], name="wf_job_run_idx"),

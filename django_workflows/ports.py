@@ -63,8 +63,10 @@ class JobTransport(Protocol):
     only delays work until the next maintenance tick, a duplicate one finds nothing to claim.
     """
 
-    def wake_workers(self, jobs: int) -> None:
-        """Ask up to ``jobs`` workers to look for ready jobs (called after commit)."""
+    def wake_workers(self, jobs: int, queue: str = "default") -> None:
+        """Ask up to ``jobs`` workers of ``queue``'s pool to look for ready jobs (called after
+        commit; issue 8 item 5: the django-q2 transport sends to the queue's cluster).
+        """
         ...
 
     def wake_claimer(self) -> None:

@@ -4,6 +4,7 @@ list their annotations; what a run waits for (:func:`waiting_reasons`) and its e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -148,9 +149,9 @@ class WaitingReason:
 
 
 def queued_ahead(job: WorkflowJob, cap: int = MAX_QUEUED_AHEAD) -> int:
-    """How many PENDING jobs a worker takes before ``job`` (claim order: priority descending,
-    then oldest run, then job id; SPEC §1.7), counting at most ``cap`` (one bounded query that
-    walks the claim index)."""
+    """How many PENDING jobs of ``job``'s queue a worker takes before ``job`` (claim order:
+    priority descending, then oldest run, then job id; SPEC §1.7), counting at most ``cap``
+    (one bounded query that walks the queue's claim index)."""
     from django.db.models import Q
 
     from .models import Status, WorkflowJob
@@ -162,7 +163,7 @@ def queued_ahead(job: WorkflowJob, cap: int = MAX_QUEUED_AHEAD) -> int:
     else:
         ahead |= Q(priority=job.priority, pk__lt=job.pk)
     ids = (
-        WorkflowJob.objects.filter(ahead, status=Status.PENDING)
+        WorkflowJob.objects.filter(ahead, status=Status.PENDING, queue=job.queue)
         .exclude(pk=job.pk)
         .order_by()
         .values("pk")[:cap]
@@ -177,6 +178,7 @@ def waiting_reasons(
     *,
     count_queue: bool = False,
     now: datetime | None = None,
+    live_queues: Callable[[], set[str]] | None = None,
 ) -> list[WaitingReason]:
     """Why ``run`` is where it is: one :class:`WaitingReason` per open stage, ``[]`` for a
     terminal run.
@@ -189,9 +191,13 @@ def waiting_reasons(
         count_queue: also count the jobs queued ahead of each queued job (one bounded query
             per queued job; see :func:`queued_ahead`). Lists leave it off.
         now: the time a due retry is compared with (default: ``timezone.now()``).
+        live_queues: returns the queues with a live worker (default:
+            :func:`django_workflows.kernel.routing.live_queues`, one query); a list page passes
+            one memoised function for all its runs.
 
     Used by the admin (list and run page), the HTTP API (``waiting``) and usable by the CLI.
-    A routing layer adds its own reasons (e.g. "waiting for a gpu worker") here.
+    A ready job whose queue no live worker serves (stage routing) is ``no_worker``: "waiting
+    for a gpu worker" (one query on the presence leases, only when a job is queued).
     """
     from django.utils import timezone
 
@@ -218,6 +224,17 @@ def waiting_reasons(
             jobs[job.stage_id] = job
     now = now or timezone.now()
     out: list[WaitingReason] = []
+    idle: set[str] | None = None
+
+    def unserved(queue: str) -> bool:  # no live worker serves ``queue`` (one query, once)
+        nonlocal idle
+        if idle is None:
+            from .kernel import routing
+
+            live = (live_queues or routing.live_queues)()
+            idle = {j.queue for j in jobs.values() if j.status == Status.PENDING} - live
+        return queue in idle
+
     for stage in stages:
         job = jobs.get(stage.stage_id)
         if stage.status == Status.SUSPENDED:
@@ -243,6 +260,22 @@ def waiting_reasons(
                         message="suspended until its next completion check",
                     )
                 )
+        elif (
+            job is not None
+            and job.status == Status.PENDING
+            and (job.next_poll_at is None or job.next_poll_at <= now)  # ready: no back-off left
+            and unserved(job.queue)
+        ):
+            from .kernel.routing import describe_waiting
+
+            out.append(
+                WaitingReason(
+                    "no_worker",
+                    stage.stage_id,
+                    at=job.next_poll_at,
+                    message=describe_waiting([job.queue]) or "waiting for a worker",
+                )
+            )
         elif job is not None and job.status == Status.PENDING:
             ahead = queued_ahead(job) if count_queue else None
             if job.attempt > 0 and job.next_poll_at is not None and job.next_poll_at > now:

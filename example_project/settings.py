@@ -1,7 +1,9 @@
 """Settings of the example project.
 
 The database is SQLite (``var/example.sqlite3``) unless ``DATABASE_URL`` names a PostgreSQL
-database, e.g. ``postgres://postgres@127.0.0.1:5432/test``.
+database, e.g. ``postgres://postgres@127.0.0.1:5432/test``. The django-q2 broker is the ORM
+unless ``Q_BROKER=redis`` (``REDIS_URL``); ``WORKFLOWS_QUEUES="gpu=gpu"`` routes stages of queue
+``gpu`` to a cluster ``gpu`` (start it with ``Q_CLUSTER_NAME=gpu python manage.py qcluster``).
 """
 
 from __future__ import annotations
@@ -104,9 +106,33 @@ TIME_ZONE = "UTC"
 LANGUAGE_CODE = "en-us"
 STATIC_URL = "static/"
 
+
+def _queues() -> dict[str, str]:
+    """Stage routing: ``WORKFLOWS_QUEUES="gpu=gpu,ocr=ocr"`` -> ``{"gpu": "gpu", ...}``."""
+    queues = {}
+    for pair in filter(None, os.environ.get("WORKFLOWS_QUEUES", "").split(",")):
+        queue, sep, cluster = pair.partition("=")
+        if not sep or not queue.strip() or not cluster.strip():
+            raise RuntimeError(f"WORKFLOWS_QUEUES: expected queue=cluster pairs, got {pair!r}")
+        queues[queue.strip()] = cluster.strip()
+    return queues
+
+
+def _broker() -> dict:
+    """The django-q2 broker of wake-ups: the ORM (default) or, with ``Q_BROKER=redis``, Redis
+    at ``REDIS_URL`` (default ``redis://127.0.0.1:6379/0``; needs the ``redis`` extra).
+    """
+    broker = os.environ.get("Q_BROKER", "orm")
+    if broker == "orm":
+        return {"orm": "default"}
+    if broker == "redis":
+        return {"redis": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")}
+    raise RuntimeError(f"Q_BROKER must be 'orm' or 'redis', got {broker!r}")
+
+
 Q_CLUSTER = {
     "name": "workflows",
-    "orm": "default",
+    **_broker(),
     "workers": int(os.environ.get("Q_WORKERS", "4")),
     # Longest stage we allow, in seconds; django-q2 kills a task past it (Q_TIMEOUT: tests).
     "timeout": int(os.environ.get("Q_TIMEOUT", "600")),
@@ -118,6 +144,9 @@ Q_CLUSTER = {
     "poll": 0.2,
     "catch_up": False,
     "log_level": os.environ.get("Q_LOG_LEVEL", "WARNING"),
+    # One named cluster per routed queue's cluster: start it with
+    # Q_CLUSTER_NAME=<cluster> python manage.py qcluster (same settings otherwise).
+    "ALT_CLUSTERS": {cluster: {} for cluster in sorted(set(_queues().values()))},
 }
 
 DJANGO_WORKFLOWS = {
@@ -130,6 +159,8 @@ DJANGO_WORKFLOWS = {
     "CLOCK": os.environ.get("WORKFLOWS_CLOCK") or None,
     # Comma-separated dotted paths of plugins (the acceptance tests' event recorder).
     "PLUGINS": [p for p in os.environ.get("WORKFLOWS_PLUGINS", "").split(",") if p],
+    # Stage routing: queue -> django-q2 cluster (WORKFLOWS_QUEUES="gpu=gpu").
+    "QUEUES": _queues(),
 }
 
 REST_FRAMEWORK = {

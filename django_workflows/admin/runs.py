@@ -201,7 +201,7 @@ class RunChangeList(ChangeList):
 
 def attach_page_data(runs: list[WorkflowRun]) -> None:
     """Set ``completed_stages``, ``stage_records``, ``dw_waiting`` and ``dw_error`` on each run
-    (2 queries at most, whatever the page size)."""
+    (3 queries at most, whatever the page size: stages, open jobs, live queues)."""
     if not runs:
         return
     ids = [r.pk for r in runs]
@@ -217,6 +217,15 @@ def attach_page_data(runs: list[WorkflowRun]) -> None:
             workflow_run_id__in=active, status__in=[Status.PENDING, Status.RUNNING]
         ).defer("payload"):
             jobs[job.workflow_run_id][job.stage_id] = job
+    live: list[set[str]] = []
+
+    def live_queues() -> set[str]:  # one presence query per page, only if a job is queued
+        if not live:
+            from ..kernel.routing import live_queues as read
+
+            live.append(read())
+        return live[0]
+
     for run in runs:
         if "output" in run.get_deferred_fields():
             # the list read only output["error"]: enough for run_error(), no query per row
@@ -225,7 +234,7 @@ def attach_page_data(runs: list[WorkflowRun]) -> None:
         records = sorted(stages[run.pk], key=lambda s: (s.execution_group, s.stage_number))
         run.completed_stages = sum(1 for s in records if s.status == Status.COMPLETED)
         run.stage_records = len(records)
-        run.dw_waiting = waiting_reasons(run, records, jobs[run.pk])
+        run.dw_waiting = waiting_reasons(run, records, jobs[run.pk], live_queues=live_queues)
         run.dw_error = run_error(run, records) if run.status == Status.FAILED else None
 
 

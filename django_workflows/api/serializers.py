@@ -346,7 +346,8 @@ class WaitingSerializer(serializers.Serializer):
     """Why the run is not moving right now (one entry per waiting stage)."""
 
     reason = serializers.ChoiceField(
-        choices=["claim", "job_queued", "retry", "executing", "poll", "approval"]
+        choices=["claim", "job_queued", "no_worker", "retry", "executing", "poll", "approval"],
+        help_text="no_worker: the stage's queue has no live worker (stage routing)",
     )
     stage_id = serializers.CharField(allow_null=True)
     at = serializers.DateTimeField(allow_null=True, help_text="when it is due, if known")

@@ -433,7 +433,8 @@ class RunDetailView(WorkflowsAPIView):
 
     @staticmethod
     def document(view: WorkflowsAPIView, run: WorkflowRun) -> dict[str, Any]:
-        """The run detail: 2 queries (stages; open jobs, only while the run is active)."""
+        """The run detail: 2 queries (stages; open jobs, only while the run is active), and one
+        more for worker presence while a job is queued (stage routing)."""
         stages = list(
             WorkflowStage.objects.filter(run=run).order_by("execution_group", "stage_number")
         )

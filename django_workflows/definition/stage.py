@@ -29,6 +29,13 @@ ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,99}$")
 
 StageMode = Literal["sync", "async-batch"]
 
+#: The queue of a stage that names none: served by the default django-q2 cluster.
+DEFAULT_QUEUE = "default"
+#: Queue names (the worker pool a stage runs on, issue 8 item 5): 1-40 lower-case letters,
+#: digits, ``-`` and ``_``, starting with a letter or digit (short: a worker's presence row is
+#: named after each queue it serves).
+QUEUE_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
+
 
 class WorkflowDefinitionError(ValueError):
     """A workflow or stage definition is malformed; the message names the offending ids."""
@@ -104,6 +111,8 @@ class Stage:
             time, WF-33).
         mode: ``"sync"`` or ``"async-batch"``.
         check_completion: ``check_completion(state, ctx) -> CompletionCheck`` (async-batch only).
+        queue: the worker pool that runs the stage's jobs (default ``"default"``); mapped onto
+            a django-q2 cluster by the ``QUEUES`` setting (see :mod:`..kernel.routing`).
     """
 
     id: str
@@ -117,6 +126,7 @@ class Stage:
     mode: StageMode = "sync"
     check_completion: Callable[..., Any] | None = None
     estimate_cost: Callable[[Any, Any], float] | None = None
+    queue: str = DEFAULT_QUEUE
     _defaults: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -142,6 +152,11 @@ class Stage:
         if self.mode == "sync" and self.check_completion is not None:
             raise WorkflowDefinitionError(
                 f"Stage {self.id!r}: check_completion is only for async-batch stages"
+            )
+        if not isinstance(self.queue, str) or not QUEUE_PATTERN.match(self.queue):
+            raise WorkflowDefinitionError(
+                f"Stage {self.id!r}: invalid queue {self.queue!r}: use 1-40 lower-case "
+                "letters, digits, '-' or '_', starting with a letter or digit"
             )
         self.dependencies = tuple(self.dependencies)
         self._defaults = model_defaults(self.config_model)
@@ -221,6 +236,7 @@ def define_stage(
     description: str = "",
     dependencies: tuple[str, ...] | list[str] = (),
     estimate_cost: Callable[[Any, Any], float] | None = None,
+    queue: str = DEFAULT_QUEUE,
 ) -> Stage:
     """Define a synchronous stage (WF-5).
 
@@ -229,9 +245,11 @@ def define_stage(
         execute: ``execute(ctx)`` returning the output, or a :class:`StageResult`. Returning a
             :class:`Suspend` from a sync stage fails it, non-retryable (Part I item 5).
         input / output / config: pydantic models; ``input=None`` takes no input (WF-6).
+        queue: the worker pool that runs the stage (:data:`DEFAULT_QUEUE` unless named;
+            :data:`QUEUE_PATTERN`); see :mod:`..kernel.routing`.
 
     Raises:
-        WorkflowDefinitionError: a malformed id or model.
+        WorkflowDefinitionError: a malformed id, model or queue name.
     """
     return Stage(
         id=id,
@@ -243,6 +261,7 @@ def define_stage(
         description=description,
         dependencies=tuple(dependencies),
         estimate_cost=estimate_cost,
+        queue=queue,
     )
 
 
@@ -257,12 +276,14 @@ def define_async_batch_stage(
     config: type[BaseModel] | None = None,
     description: str = "",
     dependencies: tuple[str, ...] | list[str] = (),
+    queue: str = DEFAULT_QUEUE,
 ) -> Stage:
     """Define an async-batch stage (WF-5, WF-7).
 
     ``execute(ctx)`` submits work and returns :class:`Suspend`; the maintenance tick later calls
     ``check_completion(state, ctx)`` (outside any transaction) until it returns a ready or failed
-    :class:`CompletionCheck` (SPEC §4.7).
+    :class:`CompletionCheck` (SPEC §4.7). ``queue``: as for :func:`define_stage` (the
+    ``execute`` delivery runs on that pool; ``check_completion`` runs in the maintenance tick).
     """
     return Stage(
         id=id,
@@ -275,6 +296,7 @@ def define_async_batch_stage(
         dependencies=tuple(dependencies),
         mode="async-batch",
         check_completion=check_completion,
+        queue=queue,
     )
 
 
@@ -287,8 +309,12 @@ def stage(
     config: type[BaseModel] | None = None,
     description: str = "",
     dependencies: tuple[str, ...] | list[str] = (),
+    queue: str = DEFAULT_QUEUE,
 ) -> Callable[[Callable[..., Any]], Stage]:
-    """Decorator form of :func:`define_stage`; the decorated function becomes ``execute``."""
+    """Decorator form of :func:`define_stage`; the decorated function becomes ``execute``.
+
+    ``queue``: the worker pool that runs the stage, e.g. ``@stage(id="embed", queue="gpu")``.
+    """
 
     def wrap(fn: Callable[..., Any]) -> Stage:
         return define_stage(
@@ -300,6 +326,7 @@ def stage(
             config=config,
             description=description or (fn.__doc__ or "").strip().split("\n")[0],
             dependencies=dependencies,
+            queue=queue,
         )
 
     return wrap

@@ -119,9 +119,13 @@ class _Discard(Exception):
 # --- 1. Lease ---------------------------------------------------------------------------------
 
 
-def lease(kernel: Kernel, worker_id: str) -> Delivery | None:
+def lease(kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None) -> Delivery | None:
     """Transaction 1: lease the next ready job (or claim a PENDING run and lease its first job)
     and start its stage. ``None`` when there is no work.
+
+    ``queues``: the queues this worker serves (``None``: all). Only their jobs are leased; a
+    claimed run whose first jobs are of other queues is started, its jobs left PENDING for
+    their queues' workers (woken after commit), and the next job is tried.
 
     A job whose run is not RUNNING is failed as a ghost, a job whose stage record is already
     COMPLETED (K-JE-5) is completed and its run transitioned, and the next job is tried.
@@ -137,12 +141,14 @@ def lease(kernel: Kernel, worker_id: str) -> Delivery | None:
     while True:
         retried: list[BaseException] = []
         found = retry_on_disconnect(
-            lambda retried=retried: _lease_transaction(kernel, worker_id, adopt=bool(retried)),
+            lambda retried=retried: _lease_transaction(
+                kernel, worker_id, queues, adopt=bool(retried)
+            ),
             what="lease",
             on_retry=retried.append,
         )
         if found is _AGAIN:
-            continue  # the run was failed instead (committed): look again
+            continue  # failed instead, or not this worker's queue (committed): look again
         if found is None:
             return None
         delivery, unexecutable = found
@@ -158,10 +164,11 @@ _AGAIN: Any = object()
 
 
 def _lease_transaction(
-    kernel: Kernel, worker_id: str, *, adopt: bool = False
+    kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None, *, adopt: bool = False
 ) -> tuple[Delivery | None, Exception | None] | None:
     """One try of transaction 1 (safe to run again: a rolled-back try leased nothing).
-    ``None``: no work; :data:`_AGAIN`: a claimed run was failed instead; else the delivery
+    ``None``: no work; :data:`_AGAIN`: a claimed run was failed instead or its first jobs are
+    of queues this worker does not serve; else the delivery
     (``None`` when the job was settled without executing) and an unexecutable job's error.
     ``adopt`` (a retry after a dead connection): first take back a job that the lost try
     may have leased after all (:func:`_adopt_orphan`).
@@ -182,7 +189,7 @@ def _lease_transaction(
             locked[job.pk] = run  # type: ignore[assignment]
             return True
 
-        job = kernel.queue.lease_next(worker_id, accept=run_is_free)
+        job = kernel.queue.lease_next(worker_id, accept=run_is_free, queues=queues)
         run: WorkflowRun | None
         records: list[WorkflowStage] | None = None
         if job is not None:
@@ -191,8 +198,10 @@ def _lease_transaction(
             run = claim_next_pending_run()
             if run is None:
                 return None
-            started = start_claimed_run(kernel, run, worker_id, events, reserve_for=worker_id)
-            if started is None or not started.jobs:
+            started = start_claimed_run(
+                kernel, run, worker_id, events, reserve_for=worker_id, serves=queues
+            )
+            if started is None or not started.jobs or started.jobs[0].worker_id != worker_id:
                 append_events(events, new_causation_id(), kernel.clock.now())
                 return _AGAIN
             job, records = started.jobs[0], started.records
@@ -436,16 +445,18 @@ def commit_outcome(
     services: KernelStageServices,
     worker_id: str | None,
     stop: threading.Event | None = None,
+    queues: frozenset[str] | None = None,
 ) -> Outcome:
     """Transaction 3: settle the job fenced by the delivery's token, write the outcome,
     transition the run and (with ``worker_id``, unless ``stop`` is set by then) lease the
-    run's next stage to this worker.
+    run's next stage to this worker if it serves that stage's queue (``queues``; ``None``:
+    all).
     """
     d = delivery
     retries: list[BaseException] = []
     try:
         return retry_on_disconnect(
-            lambda: _outcome_transaction(kernel, d, outcome, services, worker_id, stop),
+            lambda: _outcome_transaction(kernel, d, outcome, services, worker_id, stop, queues),
             what=f"outcome of stage {d.node.stage.id} (job {d.job.pk}, attempt {d.job.attempt})",
             on_retry=retries.append,
         )
@@ -474,6 +485,7 @@ def _outcome_transaction(
     services: KernelStageServices,
     worker_id: str | None,
     stop: threading.Event | None,
+    queues: frozenset[str] | None = None,
 ) -> Outcome:
     """One try of transaction 3 (safe to run again: the fence makes a second commit of the
     same outcome impossible). Raises :class:`_Discard` when the token no longer owns the job.
@@ -510,7 +522,9 @@ def _outcome_transaction(
         else:
             stopping = stop is not None and stop.is_set()
             reserve_for = None if stopping else worker_id
-            following = _transition(kernel, d, run, stage_result, events, now, reserve_for)
+            following = _transition(
+                kernel, d, run, stage_result, events, now, reserve_for, queues
+            )
         append_events(events, d.causation_id, now)
         fault_point("outcome.before_commit")
     fault_point("outcome.after_commit")
@@ -594,9 +608,10 @@ def _transition(
     events: list[dict[str, Any]],
     now: datetime,
     worker_id: str | None,
+    queues: frozenset[str] | None = None,
 ) -> Delivery | None:
     """Advance the run in the outcome transaction; returns the next stage's delivery when the
-    transition leased one to ``worker_id``.
+    transition leased one to ``worker_id`` (only a stage of one of its ``queues``).
     """
     d.record.status = Status.COMPLETED if stage_result.outcome == "completed" else Status.FAILED
     d.record.error_message = stage_result.error
@@ -607,7 +622,9 @@ def _transition(
     outputs = dict(d.outputs)
     if stage_result.outcome == "completed":
         outputs[d.node.stage.id] = stage_result.output
-    step = advance(kernel, d.workflow, run, records, now, outputs=outputs, reserve_for=worker_id)
+    step = advance(
+        kernel, d.workflow, run, records, now, outputs=outputs, reserve_for=worker_id, serves=queues
+    )
     events += step.events
     if step.reserved_job is None:
         return None
@@ -640,6 +657,7 @@ def deliver(
     delivery: Delivery,
     worker_id: str | None,
     stop: threading.Event | None = None,
+    queues: frozenset[str] | None = None,
 ) -> Outcome:
     """Steps 2 and 3 for one leased delivery; see :func:`commit_outcome`.
 
@@ -650,9 +668,9 @@ def deliver(
     """
     outcome, services = execute(kernel, delivery)
     if outcome.stopped is not None:
-        commit_outcome(kernel, delivery, outcome, services, None, stop)
+        commit_outcome(kernel, delivery, outcome, services, None, stop, queues)
         raise outcome.stopped
-    return commit_outcome(kernel, delivery, outcome, services, worker_id, stop)
+    return commit_outcome(kernel, delivery, outcome, services, worker_id, stop, queues)
 
 
 @dataclass
@@ -668,10 +686,12 @@ def work(
     *,
     max_jobs: int = 1,
     stop: threading.Event | None = None,
+    queues: frozenset[str] | None = None,
 ) -> WorkResult:
     """Deliver jobs until there is no work, ``max_jobs`` deliveries were made, or ``stop`` is
     set (H-42; Part I item 18: a stop request lets the current delivery finish). A delivery
     that leased its run's next stage continues with it before leasing anything else.
+    ``queues``: the queues this worker serves (``None``: all; issue 8 item 5).
     """
     out = WorkResult()
     current: Delivery | None = None
@@ -679,11 +699,11 @@ def work(
         if current is None:  # a delivery leased by the last outcome is in flight: finish it
             if out.processed >= max_jobs or (stop is not None and stop.is_set()):
                 break
-            current = lease(kernel, worker_id)
+            current = lease(kernel, worker_id, queues)
             if current is None:
                 break
         can_continue = out.processed + 1 < max_jobs
-        result = deliver(kernel, current, worker_id if can_continue else None, stop)
+        result = deliver(kernel, current, worker_id if can_continue else None, stop, queues)
         out.processed += 1
         if result.outcome in ("failed", "ghost", "discarded"):
             out.failed += 1

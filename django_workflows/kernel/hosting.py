@@ -93,14 +93,19 @@ class ProcessResult:
 
 
 def process_available_jobs(
-    kernel: Kernel, worker_id: str, *, max_jobs: int = 1, stop: threading.Event | None = None
+    kernel: Kernel,
+    worker_id: str,
+    *,
+    max_jobs: int = 1,
+    stop: threading.Event | None = None,
+    queues: frozenset[str] | None = None,
 ) -> ProcessResult:
     """Deliver ready jobs until the queue is empty, ``max_jobs`` were processed, or ``stop`` is
     set (H-42; Part I item 18: a stop request finishes the in-flight job first). A worker
     continues the run it just advanced (:func:`.delivery.work`) and claims PENDING runs when
-    no job is ready.
+    no job is ready. ``queues``: the queues this worker serves (``None``: all; issue 8 item 5).
     """
-    done = delivery.work(kernel, worker_id, max_jobs=max_jobs, stop=stop)
+    done = delivery.work(kernel, worker_id, max_jobs=max_jobs, stop=stop, queues=queues)
     return ProcessResult(done.processed, done.succeeded, done.failed)
 
 
@@ -216,6 +221,27 @@ def lease_is_free(kernel: Kernel, name: str) -> bool:
     return leases.lease_is_free(kernel.lease_clock, name)
 
 
+def wake_ready_jobs(kernel: Kernel, *, older_than_seconds: float, limit: int = 8) -> int:
+    """Wake workers for ready PENDING jobs not updated for ``older_than_seconds``: up to
+    ``limit`` wake-ups in all, each sent to its job's queue (issue 8 item 5). Returns the
+    number of wake-ups asked for.
+    """
+    now = kernel.clock.now()
+    queues = list(
+        WorkflowJob.objects.filter(
+            Q(next_poll_at__isnull=True) | Q(next_poll_at__lte=kernel.lease_clock.now()),
+            status=Status.PENDING,
+            updated_at__lte=now - timedelta(seconds=older_than_seconds),
+        ).values_list("queue", flat=True)[:limit]
+    )
+    counts: dict[str, int] = {}
+    for queue in queues:
+        counts[queue] = counts.get(queue, 0) + 1
+    for queue, count in counts.items():
+        kernel.transport.wake_workers(count, queue=queue)
+    return len(queues)
+
+
 TICK_LEASE = "maintenance-tick"
 #: A ready job older than this without a worker gets a fresh wake-up from the tick.
 WAKE_AFTER_SECONDS = 2.0
@@ -279,7 +305,7 @@ def _tick_steps(kernel: Kernel, worker_id: str, out: TickResult) -> None:
         )
         out.stale_released, out.stale_given_up = res.released, res.failed
         if res.released:
-            kernel.transport.wake_workers(res.released)
+            wake_ready_jobs(kernel, older_than_seconds=0.0)
 
     def flush() -> None:
         out.events_flushed = (
@@ -296,15 +322,7 @@ def _tick_steps(kernel: Kernel, worker_id: str, out: TickResult) -> None:
         out.stuck_reaped = res.failed
 
     def wake_ready() -> None:
-        now = kernel.clock.now()
-        waiting = WorkflowJob.objects.filter(
-            Q(next_poll_at__isnull=True) | Q(next_poll_at__lte=kernel.lease_clock.now()),
-            status=Status.PENDING,
-            updated_at__lte=now - timedelta(seconds=WAKE_AFTER_SECONDS),
-        )[:8].count()
-        if waiting:
-            kernel.transport.wake_workers(waiting)
-        out.workers_woken = waiting
+        out.workers_woken = wake_ready_jobs(kernel, older_than_seconds=WAKE_AFTER_SECONDS)
 
     step("run.claimPending", claim)
     step("stage.pollSuspended", poll)

@@ -73,27 +73,42 @@ def claim_next_pending_run() -> WorkflowRun | None:
     return found[0] if found else None
 
 
-def claim_next_job(now: Any, exclude: Iterable[int] = ()) -> WorkflowJob | None:
+def claim_next_job(
+    now: Any, exclude: Iterable[int] = (), queues: Iterable[str] | None = None
+) -> WorkflowJob | None:
     """Lock the ready PENDING job with the highest priority, oldest run first (DM-41), so a
     run that has started finishes before newer runs start.
 
     ``now``: lease time (a datetime or the database's ``Now()``). ``exclude``: job ids this
-    transaction already looked at (and still holds locks on).
+    transaction already looked at (and still holds locks on). ``queues``: only jobs of these
+    queues (issue 8 item 5; the claim index leads with status and queue); ``None``: any.
     """
     exclude = list(exclude)
+    queue_list = sorted(queues) if queues is not None else None
+    if queue_list is not None and not queue_list:
+        return None
+    if hasattr(now, "resolve_expression") and not isinstance(now, Now):
+        return _claim_next_job_orm(now, exclude, queue_list)  # another expression: the ORM
     params: list[Any] = [Status.PENDING.value]
+    in_queues = ""
+    if queue_list is not None:
+        in_queues = (
+            " AND queue = %s"
+            if len(queue_list) == 1
+            else f" AND queue IN ({', '.join(['%s'] * len(queue_list))})"
+        )
+        params += queue_list
     if isinstance(now, Now):
         ready = rows.now_sql()
-    elif hasattr(now, "resolve_expression"):  # another expression: leave it to the ORM
-        return _claim_next_job_orm(now, exclude)
     else:
         ready = "%s"
         params.append(rows.prep(WorkflowJob, "next_poll_at", now))
     not_in, ids = rows.ids_clause("id", exclude)
+    nq = -1 if queue_list is None else len(queue_list)
     found = rows.select(
         WorkflowJob,
-        f"claim_next_job:{ready != '%s'}:{len(ids)}",
-        f"status = %s AND (next_poll_at IS NULL OR next_poll_at <= {ready}){not_in}",
+        f"claim_next_job:{ready != '%s'}:{len(ids)}:{nq}",
+        f"status = %s{in_queues} AND (next_poll_at IS NULL OR next_poll_at <= {ready}){not_in}",
         params + ids,
         order_by="priority DESC, run_created_at ASC, id ASC",
         limit=1,
@@ -102,10 +117,14 @@ def claim_next_job(now: Any, exclude: Iterable[int] = ()) -> WorkflowJob | None:
     return found[0] if found else None
 
 
-def _claim_next_job_orm(now: Any, exclude: list[int]) -> WorkflowJob | None:
+def _claim_next_job_orm(
+    now: Any, exclude: list[int], queues: list[str] | None
+) -> WorkflowJob | None:
     qs = WorkflowJob.objects.select_for_update(skip_locked=True).filter(
         Q(next_poll_at__isnull=True) | Q(next_poll_at__lte=now), status=Status.PENDING
     )
+    if queues is not None:
+        qs = qs.filter(queue__in=queues)
     if exclude:
         qs = qs.exclude(pk__in=exclude)
     return qs.order_by("-priority", "run_created_at", "id").first()

@@ -28,6 +28,7 @@ from django.db import DatabaseError, transaction
 from django.db.models import F
 
 from ..conf import workflow_settings
+from ..definition.stage import DEFAULT_QUEUE
 from ..models import Status, WorkflowJob
 from ..ports import Clock, JobTransport
 from . import rows
@@ -53,7 +54,7 @@ def exhausted_message(job: WorkflowJob) -> str:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """A job to enqueue (DM-40)."""
+    """A job to enqueue (DM-40). ``queue``: its stage's worker pool (issue 8 item 5)."""
 
     workflow_run_id: uuid.UUID
     workflow_id: str
@@ -62,6 +63,7 @@ class JobSpec:
     payload: dict[str, Any] = field(default_factory=dict)
     next_poll_at: datetime | None = None
     run_created_at: datetime | None = None
+    queue: str = DEFAULT_QUEUE
 
 
 class JobQueue:
@@ -93,8 +95,9 @@ class JobQueue:
 
         ``reserve_for``: a worker id; the first job is inserted already leased to that worker
         (RUNNING, attempt 1, lease stamped), so a worker that advanced a run continues with
-        its next stage without a round trip through the queue. Only the other jobs wake
-        workers.
+        its next stage without a round trip through the queue (the caller puts a job of a
+        queue that worker serves first). Only the other jobs wake workers, each through its
+        queue's cluster (``transport.wake_workers(n, queue=...)``).
         """
         if not specs:
             return []
@@ -113,6 +116,7 @@ class JobQueue:
                 max_attempts=max_attempts,
                 next_poll_at=s.next_poll_at,
                 run_created_at=s.run_created_at or now,
+                queue=s.queue,
             )
             for s in specs
         ]
@@ -124,34 +128,46 @@ class JobQueue:
             first.started_at = now
             first.attempt = 1
         rows.insert(jobs)
-        count = len(jobs) - (reserve_for is not None)
-        if count:
-            transaction.on_commit(lambda: self.transport.wake_workers(count))
+        waiting: dict[str, int] = {}
+        for job in jobs[1:] if reserve_for is not None else jobs:
+            waiting[job.queue] = waiting.get(job.queue, 0) + 1
+        for queue, count in waiting.items():
+            transaction.on_commit(
+                lambda q=queue, n=count: self.transport.wake_workers(n, queue=q)  # type: ignore[misc]
+            )
         return jobs
 
-    def dequeue(self, worker_id: str) -> WorkflowJob | None:
+    def dequeue(
+        self, worker_id: str, *, queues: frozenset[str] | None = None
+    ) -> WorkflowJob | None:
         """Lease the next ready job: RUNNING, ``attempt + 1``, lease stamped (DM-41, SM-20).
 
         A ready job whose delivery count has reached ``max_attempts`` is not leased: it is given
         up (:meth:`give_up`) and the next ready job is considered (Part I item 3, EC-21).
-        Database errors propagate (they are not an empty queue).
+        Database errors propagate (they are not an empty queue). ``queues``: see
+        :meth:`lease_next`.
         """
         with transaction.atomic():
-            return self.lease_next(worker_id)
+            return self.lease_next(worker_id, queues=queues)
 
     def lease_next(
-        self, worker_id: str, *, accept: Callable[[WorkflowJob], bool] | None = None
+        self,
+        worker_id: str,
+        *,
+        accept: Callable[[WorkflowJob], bool] | None = None,
+        queues: frozenset[str] | None = None,
     ) -> WorkflowJob | None:
         """:meth:`dequeue` inside the caller's transaction (the caller commits the lease).
 
         Ready jobs are served by priority, then oldest run first, so a started run finishes
         before newer runs start (depth-first within a priority). ``accept(job)``: asked
-        before a job is leased; a job it refuses is passed over.
+        before a job is leased; a job it refuses is passed over. ``queues``: lease only jobs
+        of these queues (the worker's pools); ``None``: any queue.
         """
         now = self.clock.now()
         seen: list[int] = []
         while True:
-            job = claim_next_job(self.lease_clock.now(), exclude=seen)
+            job = claim_next_job(self.lease_clock.now(), exclude=seen, queues=queues)
             if job is None:
                 return None
             seen.append(job.pk)

@@ -20,7 +20,7 @@ from django_workflows import StageContext, define_stage, define_workflow
 from django_workflows.admin.gantt import build_gantt
 from django_workflows.approval import approval_stage
 from django_workflows.definition.registry import registry
-from django_workflows.kernel import Kernel
+from django_workflows.kernel import Kernel, routing
 from django_workflows.kernel.commands import (
     ClaimPendingRuns,
     CreateRun,
@@ -459,11 +459,16 @@ def test_waiting_reasons_on_list_and_run_page(admin_client, kernel, clock) -> No
     queued = [create(kernel, "ops-two", input={"value": i}) for i in range(3)]
     kernel.dispatch(ClaimPendingRuns(worker_id="w", max_claims=100))
     pending_after = create(kernel, "ops-two", input={"value": 9})
-    response = admin_client.get(reverse("admin:django_workflows_workflowrun_changelist"))
+    changelist = reverse("admin:django_workflows_workflowrun_changelist")
+    # No worker has announced itself yet: the queued stages wait for one (stage routing).
+    assert "waiting for a default worker" in admin_client.get(changelist).content.decode()
+    routing.announce("worker-1", ["default"], lease_clock=kernel.lease_clock)
+    response = admin_client.get(changelist)
     html = response.content.decode()
     assert "waiting for an approval decision by one of admin, bob" in html
     assert "waiting for the maintenance tick to claim the run" in html
     assert "queued for a worker" in html
+    assert "waiting for a default worker" not in html
     pending_jobs = WorkflowJob.objects.filter(status=Status.PENDING).order_by("pk")
     assert pending_jobs.count() >= 2
     last = pending_jobs.last().workflow_run_id  # same priority and run time: served last

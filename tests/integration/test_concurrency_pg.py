@@ -486,8 +486,8 @@ def test_job_dequeue_skips_a_job_locked_by_another_worker(
     held, released = threading.Event(), threading.Event()
     hold = {"on": True}
 
-    def holding_claim(now: datetime, exclude: Any = ()) -> WorkflowJob | None:
-        job = real_claim(now, exclude)
+    def holding_claim(now: datetime, exclude: Any = (), **kwargs: Any) -> WorkflowJob | None:
+        job = real_claim(now, exclude, **kwargs)
         if hold["on"]:
             hold["on"] = False
             held.set()

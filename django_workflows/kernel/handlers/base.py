@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...definition.stage import DEFAULT_QUEUE
+from ...definition.workflow import Workflow
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from ..commands import Result
 from ..queue import JobQueue, JobSpec
@@ -23,24 +25,48 @@ def enqueue_stage_jobs(
     run: WorkflowRun,
     records: list[WorkflowStage],
     *,
+    workflow: Workflow | None,
     reserve_for: str | None = None,
+    serves: frozenset[str] | None = None,
 ) -> list[WorkflowJob]:
     """Enqueue one job per PENDING record (K-CP-4, K-TR-6): priority = run priority, payload =
-    ``{"config": run.config}`` (WF-45). ``reserve_for``: lease the first job to that worker
-    (:meth:`JobQueue.enqueue_jobs`). Returns the inserted jobs.
+    ``{"config": run.config}`` (WF-45), queue = its stage's ``queue`` in ``workflow``
+    (``"default"`` for a stage ``workflow`` does not have, or without a workflow).
+
+    ``reserve_for``: lease one job to that worker (:meth:`JobQueue.enqueue_jobs`): the first
+    whose queue is in ``serves`` (the worker's queues; ``None``: any), and none if no job's
+    queue is served (they stay PENDING and their queues' clusters are woken). Returns the
+    inserted jobs, the reserved one (RUNNING) first.
     """
-    return queue.enqueue_jobs(
-        reserve_for=reserve_for,
-        specs=[
-            JobSpec(
-                workflow_run_id=run.pk,
-                workflow_id=run.workflow_id,
-                stage_id=rec.stage_id,
-                priority=run.priority,
-                payload={"config": run.config or {}},
-                run_created_at=run.created_at,
-            )
-            for rec in records
-            if rec.status == Status.PENDING
-        ],
-    )
+
+    def queue_of(stage_id: str) -> str:
+        stage = workflow.get_stage(stage_id) if workflow is not None else None
+        return stage.queue if stage is not None else DEFAULT_QUEUE
+
+    specs = [
+        JobSpec(
+            workflow_run_id=run.pk,
+            workflow_id=run.workflow_id,
+            stage_id=rec.stage_id,
+            priority=run.priority,
+            payload={"config": run.config or {}},
+            run_created_at=run.created_at,
+            queue=queue_of(rec.stage_id),
+        )
+        for rec in records
+        if rec.status == Status.PENDING
+    ]
+    if reserve_for is not None and serves is not None:
+        first = next((i for i, spec in enumerate(specs) if spec.queue in serves), None)
+        if first is None:
+            reserve_for = None
+        elif first:
+            specs.insert(0, specs.pop(first))
+    return queue.enqueue_jobs(specs, reserve_for=reserve_for)
+
+
+def job_leased_to(jobs: list[WorkflowJob], reserve_for: str | None) -> WorkflowJob | None:
+    """The job :func:`enqueue_stage_jobs` leased to ``reserve_for``, if it leased one."""
+    if reserve_for and jobs and jobs[0].worker_id == reserve_for:
+        return jobs[0]
+    return None

@@ -76,9 +76,12 @@ def start_claimed_run(
     events: list[dict[str, Any]],
     *,
     reserve_for: str | None = None,
+    serves: frozenset[str] | None = None,
 ) -> StartedRun | None:
     """Move a claimed (locked, PENDING) run to RUNNING and enqueue its first group (K-CP-2..6);
-    its events are appended to ``events``. ``reserve_for`` leases the first job to that worker.
+    its events are appended to ``events``. ``reserve_for`` leases the first job to that worker
+    if it serves the job's queue (``serves``: its queues, ``None`` any; see
+    :func:`.base.enqueue_stage_jobs`): then ``jobs[0]`` is RUNNING, leased to it.
 
     Returns what was started, or ``None`` when the run was failed instead (workflow missing,
     or preparing its first group raised: Part I item 2).
@@ -100,7 +103,14 @@ def start_claimed_run(
     try:
         with transaction.atomic():  # savepoint: Part I item 2
             records = create_missing_stages(run, workflow.stages_in_group(1), attempt=0, now=now)
-            jobs = enqueue_stage_jobs(kernel.queue, run, records, reserve_for=reserve_for)
+            jobs = enqueue_stage_jobs(
+                kernel.queue,
+                run,
+                records,
+                workflow=workflow,
+                reserve_for=reserve_for,
+                serves=serves,
+            )
     except Exception as exc:
         _fail(kernel, run, "CLAIM_FAILED", f"{type(exc).__name__}: {exc}", worker_id, events)
         return None

@@ -85,7 +85,7 @@ def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
         if pending:
             orphans = _orphans(run_id, pending)
             if orphans:
-                enqueue_stage_jobs(kernel.queue, run, orphans)
+                enqueue_stage_jobs(kernel.queue, run, orphans, workflow=workflow)
                 update_run(run_id, now)
                 recovered += 1
                 continue

@@ -74,7 +74,7 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
     )
     run.status = Status.RUNNING
     new = create_missing_stages(run, workflow.stages_in_group(target), attempt=attempt, now=now)
-    enqueue_stage_jobs(kernel.queue, run, new)
+    enqueue_stage_jobs(kernel.queue, run, new, workflow=workflow)
     return HandlerOutput(
         RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids),
         [ev.event(ev.WORKFLOW_STARTED, run_id, now, rerun=_marker(cmd, attempt))],

@@ -30,7 +30,7 @@ from ..store import (
     stages_of,
     update_run,
 )
-from .base import HandlerOutput, enqueue_stage_jobs
+from .base import HandlerOutput, enqueue_stage_jobs, job_leased_to
 
 if TYPE_CHECKING:
     from ..dispatch import Kernel
@@ -71,24 +71,28 @@ def advance(
     *,
     outputs: dict[str, Any] | None = None,
     reserve_for: str | None = None,
+    serves: frozenset[str] | None = None,
 ) -> Advance:
     """The transition rules (K-TR-1..9) for a run whose row the caller has locked and found
     RUNNING, given its current stage ``records``.
 
     ``outputs``: raw outputs the caller already holds (``{stage_id: output}``), so completing
     a run does not read them again. ``reserve_for``: a worker id; the first job of a new group
-    is inserted leased to that worker (see :meth:`JobQueue.enqueue`).
+    is inserted leased to that worker if it serves the job's queue (``serves``: its queues,
+    ``None`` any; see :func:`.base.enqueue_stage_jobs`).
     """
     run_id = run.pk
     if not records:
         new = create_missing_stages(run, workflow.stages_in_group(1), attempt=0, now=now)
         update_run(run_id, now)
-        jobs = enqueue_stage_jobs(kernel.queue, run, new, reserve_for=reserve_for)
+        jobs = enqueue_stage_jobs(
+            kernel.queue, run, new, workflow=workflow, reserve_for=reserve_for, serves=serves
+        )
         return Advance(
             TransitionRunResult("advanced", 1),
             [ev.event(ev.WORKFLOW_STARTED, run_id, now)],
             new,
-            jobs[0] if reserve_for and jobs else None,
+            job_leased_to(jobs, reserve_for),
         )
 
     if any(r.status in ACTIVE_STAGE_STATUSES for r in records):
@@ -122,12 +126,14 @@ def advance(
     if next_nodes:
         attempt = max(r.attempt for r in records)
         new = create_missing_stages(run, next_nodes, attempt=attempt, now=now, records=records)
-        jobs = enqueue_stage_jobs(kernel.queue, run, new, reserve_for=reserve_for)
+        jobs = enqueue_stage_jobs(
+            kernel.queue, run, new, workflow=workflow, reserve_for=reserve_for, serves=serves
+        )
         return Advance(
             TransitionRunResult("advanced", max_group + 1),
             [],
             new,
-            jobs[0] if reserve_for and jobs else None,
+            job_leased_to(jobs, reserve_for),
         )
 
     total_cost = sum(float((r.metrics or {}).get("total_cost") or 0) for r in records)

@@ -12,6 +12,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandParser
 from django.core.serializers.json import DjangoJSONEncoder
 
+from django_workflows.kernel.routing import describe_waiting, waiting_for_worker
 from django_workflows.models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 
 from ._common import format_datetime, format_duration_ms, get_run, run_error
@@ -44,6 +45,7 @@ def _job_document(job: WorkflowJob | None) -> dict[str, Any] | None:
     return {
         "id": job.pk,
         "status": job.status,
+        "queue": job.queue,
         "attempt": job.attempt,
         "max_attempts": job.max_attempts,
         "next_poll_at": job.next_poll_at,
@@ -55,8 +57,12 @@ def _job_document(job: WorkflowJob | None) -> dict[str, Any] | None:
 def run_document(
     run: WorkflowRun, stages: list[WorkflowStage], jobs: dict[str, WorkflowJob] | None = None
 ) -> dict[str, Any]:
-    """The JSON document of ``workflows_status --json``; ``job`` is the stage's newest job."""
+    """The JSON document of ``workflows_status --json``; ``job`` is the stage's newest job;
+    ``waiting_for_worker`` lists the queues of ready jobs that no live worker serves and
+    ``waiting_reason`` says so (``"waiting for a gpu worker"``, else ``null``).
+    """
     jobs = jobs if jobs is not None else latest_jobs(run)
+    waiting = waiting_for_worker(run.pk) if run.status in (Status.PENDING, Status.RUNNING) else []
     return {
         "id": str(run.pk),
         "workflow_id": run.workflow_id,
@@ -68,6 +74,8 @@ def run_document(
         "completed_at": run.completed_at,
         "duration_ms": run.duration_ms,
         "error": run_error(run, stages),
+        "waiting_for_worker": waiting,
+        "waiting_reason": describe_waiting(waiting),
         "input": run.input,
         "config": run.config,
         "output": run.output,
@@ -100,7 +108,8 @@ def _progress(value: float | None) -> str:
 class Command(BaseCommand):
     help = (
         "Show a workflow run: header (workflow, status, priority, times, duration in seconds, "
-        "error) and one line per stage record (execution group, stage id, status, rerun "
+        "error, 'waiting for a <queue> worker' when ready work has no live worker) and one "
+        "line per stage record (execution group, stage id, status, rerun "
         "generation, job deliveries/max, progress in %, duration in seconds, error and any "
         "pending retry). --json prints a "
         "JSON document (durations in milliseconds)."
@@ -137,6 +146,10 @@ class Command(BaseCommand):
         error = run_error(run, stages)
         if error:
             write(f"  error:     {error}")
+        if run.status in (Status.PENDING, Status.RUNNING):
+            waiting = describe_waiting(waiting_for_worker(run.pk))
+            if waiting:
+                write(f"  waiting:   {waiting}")
         if not stages:
             write("stages: none yet")
             return

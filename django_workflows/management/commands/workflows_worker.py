@@ -1,5 +1,8 @@
-"""``manage.py workflows_worker [--jobs-per-batch N] [--tick-interval SECONDS]``: a standalone,
-long-running worker for hosts without a django-q2 cluster (SPEC §11 item 7).
+"""``manage.py workflows_worker [--jobs-per-batch N] [--tick-interval SECONDS] [--queue Q ...]``:
+a standalone, long-running worker for hosts without a django-q2 cluster (SPEC §11 item 7).
+
+``--queue`` (repeatable) limits the worker to the jobs of those queues (stage routing); without
+it the worker serves every queue. The worker announces its queues' presence at each tick.
 
 The loop executes ready jobs in batches of up to N and runs a maintenance tick at most every
 ``--tick-interval`` seconds (claims of new runs, polls of suspended stages, lease and stuck-run
@@ -18,9 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import close_old_connections
 
+from django_workflows.definition.stage import QUEUE_PATTERN
+from django_workflows.kernel import routing
 from django_workflows.kernel.dispatch import Kernel
 from django_workflows.kernel.hosting import (
     ProcessResult,
@@ -57,6 +62,7 @@ def worker_loop(
     tick_interval_seconds: float = 1.0,
     monotonic: Callable[[], float] = time.monotonic,
     write: Callable[[str], Any] | None = None,
+    queues: frozenset[str] | None = None,
 ) -> WorkerStats:
     """Run ticks and jobs until ``stop`` is set; see the module docstring.
 
@@ -64,6 +70,8 @@ def worker_loop(
     last one (the first iteration always ticks), then up to ``jobs_per_batch`` ready jobs
     (``stop`` is passed on, so a stop request ends the batch after the job in flight). After a
     batch that found no work the loop waits on ``stop`` until the next tick is due.
+    ``queues``: lease only these queues' jobs (``None``: all); announced with each tick
+    (``None``: every queue of ``QUEUES`` and of the registered stages).
     """
     stats = WorkerStats()
     last_tick: float | None = None
@@ -77,9 +85,15 @@ def worker_loop(
                 last_tick = now
                 tick = run_maintenance_tick(kernel, worker_id)
                 stats.ticks += 1
+                announced = queues
+                if announced is None:
+                    announced = frozenset(routing.queue_clusters()) | set(routing.stage_queues())
+                routing.announce(worker_id, announced, lease_clock=kernel.lease_clock)
                 if write is not None and (tick.did_work or tick.errors):
                     write(format_tick(tick))
-            batch = process_available_jobs(kernel, worker_id, max_jobs=jobs_per_batch, stop=stop)
+            batch = process_available_jobs(
+                kernel, worker_id, max_jobs=jobs_per_batch, stop=stop, queues=queues
+            )
         except Exception:
             # A job whose execution raised stays RUNNING and is re-delivered after its lease
             # expires (H-4); a database outage is retried after one tick interval.
@@ -124,12 +138,26 @@ class Command(BaseCommand):
             help="at most one maintenance tick per this many seconds; also the longest idle "
             "wait before new work is noticed (default 1.0)",
         )
+        parser.add_argument(
+            "--queue",
+            action="append",
+            default=None,
+            metavar="QUEUE",
+            help="serve only this queue's stages (repeatable; default: every queue)",
+        )
 
     def handle(self, *args: Any, **opts: Any) -> None:
         jobs_per_batch = int(opts["jobs_per_batch"])
         interval = float(opts["tick_interval"])
         require_positive(jobs_per_batch, "--jobs-per-batch")
         require_positive(interval, "--tick-interval")
+        queues = frozenset(opts["queue"]) if opts.get("queue") else None
+        for name in queues or ():
+            if not QUEUE_PATTERN.match(name):
+                raise CommandError(
+                    f"--queue: invalid queue {name!r}: use 1-40 lower-case letters, digits, "
+                    "'-' or '_', starting with a letter or digit"
+                )
         worker_id = default_worker_id()
         self.stdout.write(
             f"worker {worker_id} started (jobs per batch {jobs_per_batch}, tick interval "
@@ -145,6 +173,7 @@ class Command(BaseCommand):
                 jobs_per_batch=jobs_per_batch,
                 tick_interval_seconds=interval,
                 write=self.stdout.write,
+                queues=queues,
             )
         self.stdout.write(
             f"worker {worker_id} stopped: {stats.processed} jobs ({stats.succeeded} succeeded, "

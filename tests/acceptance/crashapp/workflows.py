@@ -217,5 +217,5 @@ race_pipeline = register(
 )
 
 
-# The fault tests' workflows (they use ``crash_dir`` and ``enter`` above).
-from . import faults  # noqa: E402, F401
+# The fault and routing tests' workflows (they use ``crash_dir`` and ``enter`` above).
+from . import faults, routing  # noqa: E402, F401
