@@ -89,15 +89,6 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                     id="django_workflows.W001",
                 )
             )
-        ticker_s = float(workflow_settings.TICKER_RUN_SECONDS)
-        if timeout is not None and ticker_s >= timeout:
-            messages.append(
-                Error(
-                    "DJANGO_WORKFLOWS['TICKER_RUN_SECONDS'] must be below Q_CLUSTER['timeout'], or "
-                    "django-q2 kills the ticker",
-                    id="django_workflows.E006",
-                )
-            )
     for alias, db in settings.DATABASES.items():
         if db.get("ENGINE", "").endswith("sqlite3"):
             mode = (db.get("OPTIONS") or {}).get("transaction_mode")

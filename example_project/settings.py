@@ -122,6 +122,9 @@ DJANGO_WORKFLOWS = {
     "TICK_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_TICK_INTERVAL", "0.5")),
     "STALE_LEASE_SECONDS": int(os.environ.get("WORKFLOWS_STALE_LEASE_SECONDS", "300")),
     "HEARTBEAT_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_HEARTBEAT_SECONDS", "30")),
+    "SUPERVISOR_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_SUPERVISOR_INTERVAL", "2")),
+    "TICKER_LEASE_SECONDS": float(os.environ.get("WORKFLOWS_TICKER_LEASE_SECONDS", "10")),
+    "STOP_GRACE_SECONDS": float(os.environ.get("WORKFLOWS_STOP_GRACE_SECONDS", "20")),
     # Test hook: dotted path of a clock factory (the acceptance tests' skewed clock).
     "CLOCK": os.environ.get("WORKFLOWS_CLOCK") or None,
     # Comma-separated dotted paths of plugins (the acceptance tests' event recorder).

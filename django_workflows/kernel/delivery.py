@@ -59,6 +59,7 @@ from .store import load_outputs, stages_of, write_log
 
 if TYPE_CHECKING:
     from .dispatch import Kernel
+    from .supervisor import StopSignal
 
 logger = logging.getLogger("django_workflows.worker")
 
@@ -434,21 +435,32 @@ def work(
     worker_id: str,
     *,
     max_jobs: int = 1,
-    stop: threading.Event | None = None,
+    stop: threading.Event | StopSignal | None = None,
 ) -> WorkResult:
     """Deliver jobs until there is no work, ``max_jobs`` deliveries were made, or ``stop`` is
     set (H-42; Part I item 18: a stop request lets the current delivery finish). A delivery
-    that leased its run's next stage continues with it before leasing anything else.
+    that leased its run's next stage continues with it before leasing anything else - unless
+    ``stop`` was set meanwhile: then that next stage is released to the queue unstarted
+    (:meth:`JobQueue.release`) and one worker is woken for it.
+
+    ``stop``: anything with ``is_set()`` (a ``threading.Event``, or the worker process's
+    :class:`.supervisor.StopSignal`).
     """
     out = WorkResult()
     current: Delivery | None = None
     while True:
-        if current is None:  # a delivery leased by the last outcome is in flight: finish it
+        if current is None:
             if out.processed >= max_jobs or (stop is not None and stop.is_set()):
                 break
             current = lease(kernel, worker_id)
             if current is None:
                 break
+        elif stop is not None and stop.is_set():
+            # The last outcome leased the run's next stage just before the stop: hand it to
+            # another worker at once instead of starting it (a stopping worker starts nothing).
+            if kernel.queue.release(current.job.pk, attempt=current.job.attempt):
+                kernel.transport.wake_workers(1)
+            break
         can_continue = out.processed + 1 < max_jobs
         result = deliver(kernel, current, worker_id if can_continue else None, stop)
         out.processed += 1
@@ -535,6 +547,10 @@ class _Beater:
             if not self._beats:
                 self._cond.notify()
 
+    def beats(self) -> list[Heartbeat]:
+        with self._cond:
+            return list(self._beats.values())
+
     def _loop(self) -> None:
         while True:
             with self._cond:
@@ -559,3 +575,10 @@ class _Beater:
 
 
 _beater = _Beater()
+
+
+def in_flight() -> list[Heartbeat]:
+    """The heartbeats of the deliveries this process is executing now (step 2), each with
+    its job id, fencing ``attempt`` and ``lost`` flag (the graceful stop releases them).
+    """
+    return _beater.beats()

@@ -151,10 +151,13 @@ release_lease = leases.release_lease
 
 
 def maintenance_lease_seconds() -> float:
-    """TTL of the ``maintenance-tick`` lease: ``STALE_LEASE_SECONDS``, like a job's lease, so a
-    process that dies mid-tick blocks maintenance no longer than a dead worker blocks its job.
+    """TTL of the ``maintenance-tick`` lease: the ticker lease's TTL
+    (:func:`.supervisor.ticker_lease_seconds`, at most ``STALE_LEASE_SECONDS``), so a process
+    that dies mid-tick blocks maintenance no longer than a dead ticker does.
     """
-    return float(workflow_settings.STALE_LEASE_SECONDS)
+    from .supervisor import ticker_lease_seconds
+
+    return ticker_lease_seconds()
 
 
 def lease_heartbeat_seconds(ttl_seconds: float) -> float:
@@ -223,9 +226,10 @@ def run_maintenance_tick(kernel: Kernel, worker_id: str) -> TickResult:
     """One maintenance tick (H-10), each step in its own error boundary.
 
     Ticks never overlap (Part I item 18): a tick that cannot take the ``maintenance-tick``
-    lease returns at once with ``skipped=True``. The lease lasts ``STALE_LEASE_SECONDS`` and is
-    refreshed while the tick runs (:class:`LeaseKeeper`), so a tick may take longer than that,
-    and a tick whose process died stops blocking the others after ``STALE_LEASE_SECONDS``.
+    lease returns at once with ``skipped=True``. The lease lasts
+    :func:`maintenance_lease_seconds` and is refreshed while the tick runs
+    (:class:`LeaseKeeper`), so a tick may take longer than that, and a tick whose process died
+    stops blocking the others after that long.
     """
     out = TickResult()
     close_old_connections()
