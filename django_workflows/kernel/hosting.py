@@ -173,8 +173,8 @@ class LeaseKeeper:
 
     A lease's TTL can therefore be short: a holder that works longer than the TTL keeps its
     lease, and a holder that dies (SIGKILL, lost machine) is noticed once ``ttl_seconds`` have
-    passed without a refresh. Refresh errors are logged and ignored; the thread stops once the
-    lease is no longer the owner's.
+    passed without a refresh. Refresh errors are logged and the thread's connection is closed
+    (the next refresh reconnects); the thread stops once the lease is no longer the owner's.
     """
 
     def __init__(
@@ -185,12 +185,19 @@ class LeaseKeeper:
         self.owner = owner
         self.ttl = ttl_seconds
         self.interval = interval_seconds
+        #: Set once a refresh found the lease taken over (the holder must stop its work).
+        self.lost = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"lease-{name}", daemon=True)
 
     def beat(self) -> bool:
-        """Refresh the lease now; ``False`` if it is no longer the owner's."""
-        return renew_lease(self.kernel, self.name, self.owner, self.ttl)
+        """Refresh the lease now; ``False`` (and :attr:`lost` true) if it is no longer the
+        owner's.
+        """
+        if renew_lease(self.kernel, self.name, self.owner, self.ttl):
+            return True
+        self.lost = True
+        return False
 
     def _loop(self) -> None:
         try:
@@ -199,7 +206,9 @@ class LeaseKeeper:
                     if not self.beat():
                         return
                 except Exception:
+                    # Never reuse a connection that failed: the next beat opens a new one.
                     logger.exception("Refreshing the %s lease failed", self.name)
+                    connection.close()
         finally:
             connection.close()
 
