@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from django.db import close_old_connections, connection
 from django.db.models import Exists
-from django.db.models.functions import Now
 
 from ..conf import workflow_settings
 from ..models import MaintenanceLease, Status, WorkflowRun
@@ -95,11 +94,11 @@ class _NoKeeper:
         return None
 
 
-def ticker_needed() -> bool:
+def ticker_needed(lease_clock: leases.LeaseClock) -> bool:
     """Whether a run is PENDING or RUNNING while nobody holds an unexpired ``ticker`` lease
-    (one query; judged with the database's clock).
+    (one query; expiry judged in lease time, the database's clock).
     """
-    held = MaintenanceLease.objects.filter(name=TICKER_LEASE, expires_at__gt=Now())
+    held = MaintenanceLease.objects.filter(name=TICKER_LEASE, expires_at__gt=lease_clock.now())
     return (
         WorkflowRun.objects.filter(status__in=[Status.PENDING, Status.RUNNING])
         .filter(~Exists(held))
@@ -163,7 +162,8 @@ class TickerDuty:
                 if now < self._next_check:
                     return self._next_check - now
                 self._next_check = now + check
-                if not ticker_needed():
+                close_old_connections()
+                if not ticker_needed(kernel.lease_clock):
                     return check
                 if not leases.acquire_lease(kernel.lease_clock, TICKER_LEASE, self.owner, ttl):
                     return check
@@ -414,7 +414,6 @@ class Supervisor:
     def _run_duty(self, duty: Duty) -> float:
         for retry in (False, True):
             try:
-                close_old_connections()
                 return duty.run(self.monotonic())
             except Exception:
                 # Never reuse a connection that failed: the next try opens a new one. One
