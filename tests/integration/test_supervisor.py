@@ -246,7 +246,6 @@ def test_a_stopping_worker_leases_nothing_and_releases_the_next_stage_unstarted(
     """
     kernel = kernel_for(two_stage())
     run_id = kernel.dispatch(CreateRun("two-stage", {"value": 1})).workflow_run_id
-    kernel.dispatch(CreateRun("two-stage", {"value": 2}))
     signal = StopSignal()
     real_run_stage = delivery.run_stage
     started: list[str] = []
@@ -266,6 +265,8 @@ def test_a_stopping_worker_leases_nothing_and_releases_the_next_stage_unstarted(
     )
     assert jobs == {"add-1": Status.COMPLETED, "add-10": Status.PENDING}
     assert delivery.work(kernel, "w1", max_jobs=10, stop=signal).processed == 0
+    assert delivery.work(kernel, "w2", max_jobs=10).processed == 1  # another worker runs it
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED
 
 
 def test_stop_signal_reads_the_clusters_event_without_waiting() -> None:
