@@ -117,6 +117,8 @@ class TickResult:
     workers_woken: int = 0
     errors: int = 0
     skipped: bool = False
+    #: the outbox flush did not run (another process held the ``outbox-flush`` lease)
+    flush_skipped: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -286,12 +288,11 @@ def _tick_steps(kernel: Kernel, worker_id: str, out: TickResult) -> None:
             kernel.transport.wake_workers(res.released)
 
     def flush() -> None:
-        out.events_flushed = (
-            flush_outbox(
-                kernel, worker_id, max_events=int(workflow_settings.MAX_OUTBOX_FLUSH_PER_TICK)
-            )
-            or 0
+        published = flush_outbox(
+            kernel, worker_id, max_events=int(workflow_settings.MAX_OUTBOX_FLUSH_PER_TICK)
         )
+        out.flush_skipped = published is None
+        out.events_flushed = published or 0
 
     def reap_stuck() -> None:
         res = kernel.dispatch(

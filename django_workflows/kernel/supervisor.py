@@ -116,9 +116,10 @@ class TickerDuty:
     Not holding: every ``check_seconds`` (or at once after :meth:`poke`) one query asks
     whether a run is live and the lease free (:func:`ticker_needed`); if so, take the lease.
     Holding: renew it every ``ttl/3`` (a :class:`LeaseKeeper` thread does, so a long tick
-    keeps it), tick every ``tick_seconds``; after a tick that began with no live run (so the
-    events written when the last run ended are flushed) give the lease up and go back to
-    looking. A lease found taken over is given up without ticking.
+    keeps it), tick every ``TICK_INTERVAL_SECONDS``; after a tick that began with no live run
+    and really flushed the outbox (neither the tick nor its flush skipped for a lease another
+    process holds), so the events written when the last run ended are published, give the
+    lease up and go back to looking. A lease found taken over is given up without ticking.
 
     Args:
         kernel: a callable returning the kernel (read lazily: settings may change).
@@ -185,10 +186,12 @@ class TickerDuty:
                 from .hosting import run_maintenance_tick
 
                 live = _has_live_runs()  # read before the tick: its flush covers the last run
-                run_maintenance_tick(kernel, self.owner)
+                tick = run_maintenance_tick(kernel, self.owner)
                 self.ticks += 1
                 self._next_tick = now + float(workflow_settings.TICK_INTERVAL_SECONDS)
-                if not live:
+                # A tick or flush skipped because another process holds its lease (maybe a
+                # dead one, until the lease expires) did not flush the last run's events.
+                if not live and not tick.skipped and not tick.flush_skipped:
                     self._drop(release=True)
                     self._next_check = now + check
                     return check

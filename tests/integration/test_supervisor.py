@@ -25,7 +25,13 @@ from django_workflows.kernel.supervisor import (
     TickerDuty,
     _NoKeeper,
 )
-from django_workflows.models import MaintenanceLease, Status, WorkflowJob, WorkflowRun
+from django_workflows.models import (
+    MaintenanceLease,
+    OutboxEvent,
+    Status,
+    WorkflowJob,
+    WorkflowRun,
+)
 from django_workflows.testing import FakeClock, RecordingTransport
 from django_workflows.transport import django_q
 from tests.workflows import two_stage
@@ -292,3 +298,28 @@ def test_the_cluster_stop_event_is_found_in_the_forking_sentinels_frame() -> Non
 
     assert spawn_worker(sentinel) is marker
     assert django_q.find_cluster_stop_event() is None
+
+
+def test_the_ticker_keeps_its_lease_until_the_last_runs_events_were_flushed(
+    kernel_for: Callable[..., Kernel], clock: FakeClock
+) -> None:
+    """EV-4: a dead process left the ``outbox-flush`` lease behind; after the last run ended
+    the ticker does not give up its lease (leaving the run's last events unpublished with
+    nobody ticking) until a tick really flushed them.
+    """
+    from django_workflows.kernel import CancelRun, flusher, leases
+
+    kernel = kernel_for(two_stage())
+    run_id = _live_run(kernel)
+    duty = _duty(kernel, "t")
+    duty.run(0.0)
+    assert leases.acquire_lease(kernel.lease_clock, flusher.FLUSH_LEASE, "dead", 30)
+    kernel.dispatch(CancelRun(run_id, reason="done"))
+    for now in (1.0, 2.0):
+        duty.run(now)
+        assert duty.holding
+    assert OutboxEvent.objects.filter(published_at=None).exists()
+    clock.advance(31)
+    duty.run(3.0)
+    assert not duty.holding and _holder() is None
+    assert not OutboxEvent.objects.filter(published_at=None).exists()
