@@ -82,18 +82,6 @@ class Duty(Protocol):
         """The process is stopping: give up what the duty holds; do no more work."""
 
 
-class _NoKeeper:
-    """A lease keeper that refreshes nothing (the duty's own :meth:`TickerDuty.run` renews)."""
-
-    lost = False
-
-    def __enter__(self) -> _NoKeeper:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 def ticker_needed(lease_clock: leases.LeaseClock) -> bool:
     """Whether a run is PENDING or RUNNING while nobody holds an unexpired ``ticker`` lease
     (one query; expiry judged in lease time, the database's clock).
@@ -113,19 +101,21 @@ def _has_live_runs() -> bool:
 class TickerDuty:
     """Holds the ``ticker`` lease while runs are live and runs maintenance ticks meanwhile.
 
-    Not holding: every ``check_seconds`` (or at once after :meth:`poke`) one query asks
-    whether a run is live and the lease free (:func:`ticker_needed`); if so, take the lease.
-    Holding: renew it every ``ttl/3`` (a :class:`LeaseKeeper` thread does, so a long tick
-    keeps it), tick every ``TICK_INTERVAL_SECONDS``; after a tick that began with no live run
-    and really flushed the outbox (neither the tick nor its flush skipped for a lease another
-    process holds), so the events written when the last run ended are published, give the
-    lease up and go back to looking. A lease found taken over is given up without ticking.
+    Not holding: every ``SUPERVISOR_INTERVAL_SECONDS`` (or at once after :meth:`poke`) one
+    query asks whether a run is live and the lease free (:func:`ticker_needed`); if so, take
+    the lease. Holding: renew it every third of its TTL and tick every
+    ``TICK_INTERVAL_SECONDS``; after a tick that began with no live run and really flushed the
+    outbox (neither the tick nor its flush skipped for a lease another process holds), so the
+    events written when the last run ended are published, give the lease up and go back to
+    looking. A lease found taken over at a renewal is given up without ticking.
+
+    A tick longer than the TTL may let another process take the ticker over meanwhile; ticks
+    still never overlap (each holds the ``maintenance-tick`` lease, refreshed while it runs),
+    and this process gives the ticker up at its next renewal.
 
     Args:
         kernel: a callable returning the kernel (read lazily: settings may change).
         owner: this process's lease owner name.
-        keeper: ``keeper(kernel, owner, ttl)`` -> a context manager with a ``lost`` flag that
-            refreshes the held lease (default :class:`LeaseKeeper`; tests pass a no-op).
     """
 
     name = "ticker"
@@ -134,13 +124,9 @@ class TickerDuty:
         self,
         kernel: Callable[[], Kernel],
         owner: str,
-        *,
-        keeper: Callable[[Kernel, str, float], Any] | None = None,
     ) -> None:
         self._kernel = kernel
         self.owner = owner
-        self._keeper_factory = keeper or _lease_keeper
-        self._keeper: Any = None
         self.holding = False
         self.stopped = False
         self.ticks = 0
@@ -171,12 +157,7 @@ class TickerDuty:
                 self.holding = True
                 self._next_tick = now
                 self._next_renew = now + ttl / 3
-                self._keeper = self._keeper_factory(kernel, self.owner, ttl)
-                self._keeper.__enter__()
                 logger.info("%s holds the ticker lease", self.owner)
-            if self._keeper is not None and self._keeper.lost:
-                self._drop(release=False)
-                return check
             if now >= self._next_renew:
                 self._next_renew = now + ttl / 3
                 if not leases.renew_lease(kernel.lease_clock, TICKER_LEASE, self.owner, ttl):
@@ -198,9 +179,7 @@ class TickerDuty:
             return max(0.0, min(self._next_tick, self._next_renew) - now)
 
     def _drop(self, *, release: bool) -> None:
-        keeper, self._keeper, self.holding = self._keeper, None, False
-        if keeper is not None:
-            keeper.__exit__(None, None, None)
+        self.holding = False
         if release:
             leases.release_lease(TICKER_LEASE, self.owner)
 
@@ -209,12 +188,6 @@ class TickerDuty:
             self.stopped = True
             if self.holding:
                 self._drop(release=True)
-
-
-def _lease_keeper(kernel: Kernel, owner: str, ttl: float) -> Any:
-    from .hosting import LeaseKeeper, lease_heartbeat_seconds
-
-    return LeaseKeeper(kernel, TICKER_LEASE, owner, ttl, lease_heartbeat_seconds(ttl))
 
 
 class StopSignal:

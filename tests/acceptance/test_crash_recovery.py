@@ -7,8 +7,9 @@ starts a new cluster and checks that the run completes with every stage output s
 a gap-free, ordered outbox (H-4, DM-45, K-LR-1, EC-11, EV-3; Part I items 1 and 3).
 
 The new cluster's worker processes start ticking on their own (their supervisor threads take
-the ``ticker`` lease as soon as it is free), so each test takes a few seconds plus start-up. Reliable on PostgreSQL and on SQLite (WAL mode recovers the
-killed processes' transactions), so they run on both passes.
+the ``ticker`` lease once the dead cluster's has expired), so each test takes a few seconds
+plus start-up. Reliable on PostgreSQL and on SQLite (WAL mode recovers the killed processes'
+transactions), so they run on both passes.
 """
 
 from __future__ import annotations

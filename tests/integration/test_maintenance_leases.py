@@ -23,7 +23,7 @@ from django_workflows.kernel.hosting import (
     maintenance_lease_seconds,
     run_maintenance_tick,
 )
-from django_workflows.kernel.supervisor import TickerDuty, _NoKeeper
+from django_workflows.kernel.supervisor import TickerDuty
 from django_workflows.models import MaintenanceLease, OutboxEvent, Status, WorkflowRun
 from django_workflows.testing import CollectingSink, FakeClock
 from django_workflows.transport import django_q
@@ -118,7 +118,7 @@ def test_ticker_flushes_the_events_of_a_run_that_ended_after_its_last_tick(
         return out
 
     monkeypatch.setattr(hosting, "run_maintenance_tick", tick_then_cancel)
-    duty = TickerDuty(lambda: kernel, "ticker-1", keeper=lambda *a: _NoKeeper())
+    duty = TickerDuty(lambda: kernel, "ticker-1")
     now = 0.0
     for _ in range(5):
         duty.run(now)

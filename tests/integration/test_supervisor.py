@@ -23,7 +23,6 @@ from django_workflows.kernel.supervisor import (
     StopDuty,
     StopSignal,
     TickerDuty,
-    _NoKeeper,
 )
 from django_workflows.models import (
     MaintenanceLease,
@@ -55,7 +54,7 @@ def short_lease(settings: Any) -> None:
 
 
 def _duty(kernel: Kernel, owner: str) -> TickerDuty:
-    return TickerDuty(lambda: kernel, owner, keeper=lambda *a: _NoKeeper())
+    return TickerDuty(lambda: kernel, owner)
 
 
 def _holder() -> str | None:
