@@ -13,15 +13,18 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import OperationalError, connection
 from django.test.utils import CaptureQueriesContext
 
-from django_workflows.kernel import ClaimPendingRuns, CreateRun, Kernel, delivery
+from django_workflows.kernel import ClaimPendingRuns, CreateRun, Kernel, delivery, hosting
+from django_workflows.kernel import supervisor as supervisor_module
+from django_workflows.kernel.hosting import LeaseKeeper
 from django_workflows.kernel.supervisor import (
     RELEASE_EXIT_SECONDS,
     TICKER_LEASE,
     StopDuty,
     StopSignal,
+    Supervisor,
     TickerDuty,
 )
 from django_workflows.models import (
@@ -322,3 +325,74 @@ def test_the_ticker_keeps_its_lease_until_the_last_runs_events_were_flushed(
     duty.run(3.0)
     assert not duty.holding and _holder() is None
     assert not OutboxEvent.objects.filter(published_at=None).exists()
+
+
+class _Flaky:
+    name = "flaky"
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls = 0
+
+    def run(self, now: float) -> float:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise OperationalError("the connection is closed")
+        return 7.0
+
+    def poke(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+
+class _Connection:
+    closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_a_duty_survives_database_errors_and_never_reuses_the_failed_connection(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A duty that hits a dead connection: the thread's connection is closed (the next query
+    opens a new one) and the duty is retried at once; if it fails again the error is logged
+    and the duty runs again after ``SUPERVISOR_INTERVAL_SECONDS`` - the thread never dies.
+    """
+    fake = _Connection()
+    monkeypatch.setattr(supervisor_module, "connection", fake)
+    once = Supervisor(monotonic=lambda: 0.0)
+    once.add(_Flaky(failures=1))
+    assert once.run_once() == 7.0
+    assert fake.closed == 1 and not caplog.records
+    always = Supervisor(monotonic=lambda: 0.0)
+    always.add(_Flaky(failures=10))
+    assert always.run_once() == 0.5
+    assert fake.closed == 3
+    assert "Supervisor duty flaky failed" in caplog.text
+
+
+def test_the_lease_keeper_survives_a_failed_refresh(
+    kernel_for: Callable[..., Kernel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LeaseKeeper (tick lease): a refresh that raises closes the thread's connection and the
+    next refresh runs; the thread stops only once the lease is no longer the owner's.
+    """
+    kernel = kernel_for(two_stage())
+    fake = _Connection()
+    monkeypatch.setattr(hosting, "connection", fake)
+    results: list[Any] = [OperationalError("server closed the connection"), True, False]
+
+    def renew(*args: Any) -> bool:
+        value = results.pop(0)
+        if isinstance(value, Exception):
+            raise value
+        return bool(value)
+
+    monkeypatch.setattr(hosting, "renew_lease", renew)
+    keeper = LeaseKeeper(kernel, "maintenance-tick", "k", 3, 0.001)
+    keeper._loop()  # returns once a refresh found the lease gone
+    assert results == [] and keeper.lost is True
+    assert fake.closed == 2  # after the error, and when the thread ends
