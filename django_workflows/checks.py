@@ -30,6 +30,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
         "HEARTBEAT_INTERVAL_SECONDS",
         "TICK_INTERVAL_SECONDS",
         "JOBS_PER_WAKEUP",
+        "SUPERVISOR_INTERVAL_SECONDS",
+        "TICKER_LEASE_SECONDS",
+        "STOP_GRACE_SECONDS",
     ):
         value = getattr(workflow_settings, name)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:

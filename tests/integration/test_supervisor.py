@@ -396,3 +396,15 @@ def test_the_lease_keeper_survives_a_failed_refresh(
     keeper._loop()  # returns once a refresh found the lease gone
     assert results == [] and keeper.lost is True
     assert fake.closed == 2  # after the error, and when the thread ends
+
+
+@pytest.mark.parametrize(
+    "name", ["SUPERVISOR_INTERVAL_SECONDS", "TICKER_LEASE_SECONDS", "STOP_GRACE_SECONDS"]
+)
+def test_the_new_settings_must_be_positive(settings: Any, name: str) -> None:
+    """E002 names a supervisor setting that is zero or negative."""
+    from django_workflows import checks
+
+    settings.DJANGO_WORKFLOWS = {**settings.DJANGO_WORKFLOWS, name: 0}
+    found = [m.msg for m in checks.check_settings() if m.id == "django_workflows.E002"]
+    assert found == [f"DJANGO_WORKFLOWS['{name}'] must be a positive number, got 0"]
