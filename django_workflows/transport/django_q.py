@@ -82,12 +82,16 @@ def work(claim: bool = False) -> dict[str, Any]:
     advances and claiming PENDING runs when no job is ready (:mod:`..kernel.delivery`).
 
     Once the cluster is stopping (:func:`stop_signal`) no further job is leased and no next
-    stage is continued; a wake-up taken after that returns at once.
+    stage is continued; a wake-up taken after that returns at once, and either hands one
+    wake-up on (to a cluster that is not stopping).
 
     ``claim`` is kept for wake-ups queued by older versions; claiming is always on demand.
     """
     stop = stop_signal()
-    if stop.is_set():  # a wake-up prefetched by a stopping cluster: leave the work to others
+    if stop.is_set():
+        # A wake-up prefetched by a stopping cluster: hand it on to a cluster that is not
+        # stopping (this cluster's pusher fetches nothing more) instead of working.
+        get_kernel().transport.wake_workers(1)
         return asdict(ProcessResult())
     ensure_supervisor()
     close_old_connections()
@@ -95,8 +99,8 @@ def work(claim: bool = False) -> dict[str, Any]:
     flusher.enable(kernel)
     limit = int(workflow_settings.JOBS_PER_WAKEUP)
     result = process_available_jobs(kernel, worker_id(), max_jobs=limit, stop=stop)
-    if result.processed >= limit and not stop.is_set():
-        kernel.transport.wake_workers(1)  # work is left: hand it to the next free worker
+    if result.processed >= limit or stop.is_set():
+        kernel.transport.wake_workers(1)  # work may be left: hand it to the next free worker
     return asdict(result)
 
 
