@@ -408,3 +408,24 @@ def test_the_new_settings_must_be_positive(settings: Any, name: str) -> None:
     settings.DJANGO_WORKFLOWS = {**settings.DJANGO_WORKFLOWS, name: 0}
     found = [m.msg for m in checks.check_settings() if m.id == "django_workflows.E002"]
     assert found == [f"DJANGO_WORKFLOWS['{name}'] must be a positive number, got 0"]
+
+
+def test_a_wake_up_taken_by_a_stopping_worker_leases_nothing_and_is_handed_on(
+    kernel_for: Callable[..., Kernel],
+    transport: RecordingTransport,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ``work`` task in a stopping cluster (a wake-up prefetched before the SIGTERM): it
+    returns at once without claiming the waiting run, and sends one wake-up on for a cluster
+    that is not stopping.
+    """
+    kernel = kernel_for(two_stage())
+    run_id = kernel.dispatch(CreateRun("two-stage", {"value": 1})).workflow_run_id
+    signal = StopSignal()
+    signal.set()
+    monkeypatch.setattr(django_q, "_stop", signal)
+    monkeypatch.setattr(django_q, "get_kernel", lambda: kernel)
+    before = transport.worker_wakeups
+    assert django_q.work()["processed"] == 0
+    assert transport.worker_wakeups == before + 1
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.PENDING
