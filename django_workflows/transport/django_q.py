@@ -64,17 +64,19 @@ WORK_TASK = "django_workflows.transport.django_q.work"
 TICKER_TASK = "django_workflows.transport.django_q.ticker"
 SCHEDULE_NAME = "django_workflows.ticker"
 
-_worker_id: str | None = None
+_worker_id: tuple[int, str] | None = None
 _worker_id_lock = threading.Lock()
 
 
 def worker_id() -> str:
-    """This process's worker id (stable for the life of the django-q2 worker process)."""
+    """This process's worker id (stable for the life of the django-q2 worker process; a
+    forked child makes its own, so two processes never share one - it names lease owners).
+    """
     global _worker_id
     with _worker_id_lock:
-        if _worker_id is None:
-            _worker_id = default_worker_id()
-        return _worker_id
+        if _worker_id is None or _worker_id[0] != os.getpid():
+            _worker_id = (os.getpid(), default_worker_id())
+        return _worker_id[1]
 
 
 def work(claim: bool = False) -> dict[str, Any]:
