@@ -106,10 +106,10 @@ Q_CLUSTER = {
     "name": "workflows",
     "orm": "default",
     "workers": int(os.environ.get("Q_WORKERS", "4")),
-    # Longest stage we allow, in seconds; django-q2 kills a task past it.
-    "timeout": 600,
+    # Longest stage we allow, in seconds; django-q2 kills a task past it (Q_TIMEOUT: tests).
+    "timeout": int(os.environ.get("Q_TIMEOUT", "600")),
     # Must exceed timeout, or long tasks are delivered twice (ARCHITECTURE §5).
-    "retry": 660,
+    "retry": int(os.environ.get("Q_RETRY", "660")),
     "max_attempts": 1,
     "save_limit": -1,
     "ack_failures": True,
@@ -125,6 +125,9 @@ DJANGO_WORKFLOWS = {
     "SUPERVISOR_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_SUPERVISOR_INTERVAL", "2")),
     "TICKER_LEASE_SECONDS": float(os.environ.get("WORKFLOWS_TICKER_LEASE_SECONDS", "10")),
     "STOP_GRACE_SECONDS": float(os.environ.get("WORKFLOWS_STOP_GRACE_SECONDS", "20")),
+    # Accepted but no longer used (the ticker runs in the supervisor threads); older tests
+    # set it below Q_TIMEOUT.
+    "TICKER_RUN_SECONDS": float(os.environ.get("WORKFLOWS_TICKER_RUN_SECONDS", "50")),
     # Test hook: dotted path of a clock factory (the acceptance tests' skewed clock).
     "CLOCK": os.environ.get("WORKFLOWS_CLOCK") or None,
     # Comma-separated dotted paths of plugins (the acceptance tests' event recorder).

@@ -36,6 +36,7 @@ from django.db.models import Exists
 from ..conf import workflow_settings
 from ..models import MaintenanceLease, Status, WorkflowRun
 from . import leases
+from .connections import retry_on_disconnect
 from .delivery import in_flight
 
 if TYPE_CHECKING:
@@ -303,7 +304,13 @@ def release_in_flight(kernel: Kernel, grace_seconds: float) -> list[int]:
 
     released = []
     for beat in in_flight():
-        if not kernel.queue.release(beat.job_id, attempt=beat.attempt):
+        if beat.attempt is None:
+            continue  # not fenced: cannot be released safely (never the case in delivery.work)
+        job_id, attempt = beat.job_id, beat.attempt
+        if not retry_on_disconnect(
+            lambda job_id=job_id, attempt=attempt: kernel.queue.release(job_id, attempt=attempt),
+            what=f"release of job {job_id}",
+        ):
             continue
         beat.lost.set()
         released.append(beat.job_id)
