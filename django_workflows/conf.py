@@ -61,6 +61,10 @@ DEFAULTS: dict[str, Any] = {
     # nobody holds the ticker lease (one query); a dead ticker is replaced within
     # TICKER_LEASE_SECONDS + this. Idle cost: one query per worker process per interval.
     "SUPERVISOR_INTERVAL_SECONDS": 2.0,
+    # Whether worker processes run the maintenance ticker in their supervisor thread. False:
+    # they never tick (run ``workflows_tick --loop`` or ``workflows_worker`` elsewhere); the
+    # graceful stop works either way.
+    "SUPERVISOR_TICKS": True,
     # TTL of the ticker and maintenance-tick leases (at most STALE_LEASE_SECONDS), refreshed
     # every third of it by the holder; a holder that died stops blocking after this long.
     "TICKER_LEASE_SECONDS": 10.0,

@@ -123,6 +123,7 @@ DJANGO_WORKFLOWS = {
     "STALE_LEASE_SECONDS": int(os.environ.get("WORKFLOWS_STALE_LEASE_SECONDS", "300")),
     "HEARTBEAT_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_HEARTBEAT_SECONDS", "30")),
     "SUPERVISOR_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_SUPERVISOR_INTERVAL", "2")),
+    "SUPERVISOR_TICKS": os.environ.get("WORKFLOWS_SUPERVISOR_TICKS", "1") == "1",
     "TICKER_LEASE_SECONDS": float(os.environ.get("WORKFLOWS_TICKER_LEASE_SECONDS", "10")),
     "STOP_GRACE_SECONDS": float(os.environ.get("WORKFLOWS_STOP_GRACE_SECONDS", "20")),
     # Accepted but no longer used (the ticker runs in the supervisor threads); older tests

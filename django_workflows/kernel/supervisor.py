@@ -141,7 +141,7 @@ class TickerDuty:
 
     def run(self, now: float) -> float:
         with self._lock:
-            if self.stopped:
+            if self.stopped or not workflow_settings.SUPERVISOR_TICKS:
                 return MAX_SLEEP_SECONDS
             check = float(workflow_settings.SUPERVISOR_INTERVAL_SECONDS)
             kernel = self._kernel()

@@ -429,3 +429,19 @@ def test_a_wake_up_taken_by_a_stopping_worker_leases_nothing_and_is_handed_on(
     assert django_q.work()["processed"] == 0
     assert transport.worker_wakeups == before + 1
     assert WorkflowRun.objects.get(pk=run_id).status == Status.PENDING
+
+
+def test_with_supervisor_ticks_off_a_worker_process_never_ticks(
+    settings: Any, kernel_for: Callable[..., Kernel]
+) -> None:
+    """``SUPERVISOR_TICKS = False``: the ticker duty asks nothing and takes no lease, even
+    with runs live and after a poke (maintenance runs elsewhere, e.g. ``workflows_tick``).
+    """
+    settings.DJANGO_WORKFLOWS = {**settings.DJANGO_WORKFLOWS, "SUPERVISOR_TICKS": False}
+    kernel = kernel_for(two_stage())
+    _live_run(kernel)
+    duty = _duty(kernel, "off")
+    duty.poke()
+    with CaptureQueriesContext(connection) as queries:
+        duty.run(0.0)
+    assert (len(queries), duty.holding, _holder()) == (0, False, None)
