@@ -1,5 +1,6 @@
-"""App config: autodiscovers each installed app's ``workflows`` module and installs the
-django-q2 ticker schedule after ``migrate``.
+"""App config: autodiscovers each installed app's ``workflows`` module, installs the
+django-q2 ticker schedule after ``migrate`` and starts the supervisor thread of each django-q2
+worker process (``post_spawn``).
 """
 
 from __future__ import annotations
@@ -24,15 +25,22 @@ class DjangoWorkflowsConfig(AppConfig):
 
         autodiscover_modules(workflow_settings.AUTODISCOVER_MODULE)
         post_migrate.connect(_install_schedule, sender=self)
-        from django.apps import apps
+        _connect_worker_spawn()
 
-        if apps.is_installed("django_q"):
-            from django_q.signals import post_spawn
 
-            from .transport.django_q import on_post_spawn
+def _connect_worker_spawn() -> None:
+    """Start the supervisor thread in every new django-q2 worker process (prompt recovery and
+    graceful stop: :mod:`django_workflows.kernel.supervisor`).
+    """
+    from django.apps import apps
 
-            # A new worker process announces its queues at once (stage routing presence).
-            post_spawn.connect(on_post_spawn, dispatch_uid="django_workflows.presence")
+    if not apps.is_installed("django_q"):
+        return
+    from django_q.signals import post_spawn
+
+    from .transport.django_q import on_post_spawn
+
+    post_spawn.connect(on_post_spawn, dispatch_uid="django_workflows.supervisor", weak=False)
 
 
 def _install_schedule(using: str = "default", **kwargs: Any) -> None:

@@ -30,6 +30,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
         "HEARTBEAT_INTERVAL_SECONDS",
         "TICK_INTERVAL_SECONDS",
         "JOBS_PER_WAKEUP",
+        "SUPERVISOR_INTERVAL_SECONDS",
+        "TICKER_LEASE_SECONDS",
+        "STOP_GRACE_SECONDS",
     ):
         value = getattr(workflow_settings, name)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
@@ -87,15 +90,6 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                     "Q_CLUSTER['retry'] should be larger than Q_CLUSTER['timeout'], or django-q2 "
                     "delivers long tasks twice",
                     id="django_workflows.W001",
-                )
-            )
-        ticker_s = float(workflow_settings.TICKER_RUN_SECONDS)
-        if timeout is not None and ticker_s >= timeout:
-            messages.append(
-                Error(
-                    "DJANGO_WORKFLOWS['TICKER_RUN_SECONDS'] must be below Q_CLUSTER['timeout'], or "
-                    "django-q2 kills the ticker",
-                    id="django_workflows.E006",
                 )
             )
     messages += check_routing()

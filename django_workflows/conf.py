@@ -54,10 +54,27 @@ DEFAULTS: dict[str, Any] = {
     # Worker transport (django-q2)
     # Ready jobs one wake-up task drains before it returns.
     "JOBS_PER_WAKEUP": 10,
-    # The ticker task runs maintenance ticks this often while it holds the ticker lease.
+    # The worker process holding the ticker lease runs maintenance ticks this often while a
+    # run is PENDING or RUNNING (kernel/supervisor.py).
     "TICK_INTERVAL_SECONDS": 1.0,
-    # How long one ticker task keeps ticking before it returns (must stay below Q_CLUSTER
-    # "timeout"); the one-minute django-q2 schedule starts the next one.
+    # How often each worker process's supervisor thread looks whether runs are live while
+    # nobody holds the ticker lease (one query); a dead ticker is replaced within
+    # TICKER_LEASE_SECONDS + this. Idle cost: one query per worker process per interval.
+    "SUPERVISOR_INTERVAL_SECONDS": 2.0,
+    # Whether worker processes run the maintenance ticker in their supervisor thread. False:
+    # they never tick (run ``workflows_tick --loop`` or ``workflows_worker`` elsewhere); the
+    # graceful stop works either way.
+    "SUPERVISOR_TICKS": True,
+    # TTL of the ticker and maintenance-tick leases (at most STALE_LEASE_SECONDS), refreshed
+    # every third of it by the holder; a holder that died stops blocking after this long.
+    "TICKER_LEASE_SECONDS": 10.0,
+    # Graceful stop: after the cluster's SIGTERM, a stage still executing this many seconds
+    # later is released (back to PENDING for another worker, ctx.is_cancelled() true, its
+    # late result discarded) and its worker process exits. Keep it below the orchestrator's
+    # kill deadline (Kubernetes: terminationGracePeriodSeconds, 30 s by default).
+    "STOP_GRACE_SECONDS": 20.0,
+    # No longer used (the ticker runs in each worker process's supervisor thread, not as a
+    # long django-q2 task); kept so that settings naming it stay valid.
     "TICKER_RUN_SECONDS": 50.0,
     # Install the django-q2 schedule for the ticker after ``migrate`` (post_migrate).
     "INSTALL_SCHEDULE": True,

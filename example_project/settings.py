@@ -153,7 +153,12 @@ DJANGO_WORKFLOWS = {
     "TICK_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_TICK_INTERVAL", "0.5")),
     "STALE_LEASE_SECONDS": int(os.environ.get("WORKFLOWS_STALE_LEASE_SECONDS", "300")),
     "HEARTBEAT_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_HEARTBEAT_SECONDS", "30")),
-    # Test hook: below Q_TIMEOUT when a test shortens django-q2's timeout.
+    "SUPERVISOR_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_SUPERVISOR_INTERVAL", "2")),
+    "SUPERVISOR_TICKS": os.environ.get("WORKFLOWS_SUPERVISOR_TICKS", "1") == "1",
+    "TICKER_LEASE_SECONDS": float(os.environ.get("WORKFLOWS_TICKER_LEASE_SECONDS", "10")),
+    "STOP_GRACE_SECONDS": float(os.environ.get("WORKFLOWS_STOP_GRACE_SECONDS", "20")),
+    # Accepted but no longer used (the ticker runs in the supervisor threads); older tests
+    # set it below Q_TIMEOUT.
     "TICKER_RUN_SECONDS": float(os.environ.get("WORKFLOWS_TICKER_RUN_SECONDS", "50")),
     # Test hook: dotted path of a clock factory (the acceptance tests' skewed clock).
     "CLOCK": os.environ.get("WORKFLOWS_CLOCK") or None,

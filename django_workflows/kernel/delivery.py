@@ -70,6 +70,7 @@ from .store import load_outputs, stages_of, write_log
 
 if TYPE_CHECKING:
     from .dispatch import Kernel
+    from .supervisor import StopSignal
 
 logger = logging.getLogger("django_workflows.worker")
 
@@ -685,23 +686,38 @@ def work(
     worker_id: str,
     *,
     max_jobs: int = 1,
-    stop: threading.Event | None = None,
+    stop: threading.Event | StopSignal | None = None,
     queues: frozenset[str] | None = None,
 ) -> WorkResult:
     """Deliver jobs until there is no work, ``max_jobs`` deliveries were made, or ``stop`` is
     set (H-42; Part I item 18: a stop request lets the current delivery finish). A delivery
-    that leased its run's next stage continues with it before leasing anything else.
-    ``queues``: the queues this worker serves (``None``: all; issue 8 item 5).
+    that leased its run's next stage continues with it before leasing anything else - unless
+    ``stop`` was set meanwhile: then that next stage is released to the queue unstarted
+    (:meth:`JobQueue.release`) and one worker of its queue is woken for it.
+
+    ``stop``: anything with ``is_set()`` (a ``threading.Event``, or the worker process's
+    :class:`.supervisor.StopSignal`). ``queues``: the queues this worker serves (``None``: all;
+    issue 8 item 5).
     """
     out = WorkResult()
     current: Delivery | None = None
     while True:
-        if current is None:  # a delivery leased by the last outcome is in flight: finish it
+        if current is None:
             if out.processed >= max_jobs or (stop is not None and stop.is_set()):
                 break
             current = lease(kernel, worker_id, queues)
             if current is None:
                 break
+        elif stop is not None and stop.is_set():
+            # The last outcome leased the run's next stage just before the stop: hand it to
+            # another worker at once instead of starting it (a stopping worker starts nothing).
+            job = current.job
+            if retry_on_disconnect(
+                lambda job=job: kernel.queue.release(job.pk, attempt=job.attempt),
+                what=f"release of job {job.pk}",
+            ):
+                kernel.transport.wake_workers(1, queue=job.queue)
+            break
         can_continue = out.processed + 1 < max_jobs
         result = deliver(kernel, current, worker_id if can_continue else None, stop, queues)
         out.processed += 1
@@ -789,6 +805,10 @@ class _Beater:
             if not self._beats:
                 self._cond.notify()
 
+    def beats(self) -> list[Heartbeat]:
+        with self._cond:
+            return list(self._beats.values())
+
     def _loop(self) -> None:
         while True:
             with self._cond:
@@ -818,3 +838,10 @@ class _Beater:
 
 
 _beater = _Beater()
+
+
+def in_flight() -> list[Heartbeat]:
+    """The heartbeats of the deliveries this process is executing now (step 2), each with
+    its job id, fencing ``attempt`` and ``lost`` flag (the graceful stop releases them).
+    """
+    return _beater.beats()

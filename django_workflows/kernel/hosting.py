@@ -124,6 +124,8 @@ class TickResult:
     workers_woken: int = 0
     errors: int = 0
     skipped: bool = False
+    #: the outbox flush did not run (another process held the ``outbox-flush`` lease)
+    flush_skipped: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,10 +160,13 @@ release_lease = leases.release_lease
 
 
 def maintenance_lease_seconds() -> float:
-    """TTL of the ``maintenance-tick`` lease: ``STALE_LEASE_SECONDS``, like a job's lease, so a
-    process that dies mid-tick blocks maintenance no longer than a dead worker blocks its job.
+    """TTL of the ``maintenance-tick`` lease: the ticker lease's TTL
+    (:func:`.supervisor.ticker_lease_seconds`, at most ``STALE_LEASE_SECONDS``), so a process
+    that dies mid-tick blocks maintenance no longer than a dead ticker does.
     """
-    return float(workflow_settings.STALE_LEASE_SECONDS)
+    from .supervisor import ticker_lease_seconds
+
+    return ticker_lease_seconds()
 
 
 def lease_heartbeat_seconds(ttl_seconds: float) -> float:
@@ -177,8 +182,8 @@ class LeaseKeeper:
 
     A lease's TTL can therefore be short: a holder that works longer than the TTL keeps its
     lease, and a holder that dies (SIGKILL, lost machine) is noticed once ``ttl_seconds`` have
-    passed without a refresh. Refresh errors are logged and ignored; the thread stops once the
-    lease is no longer the owner's.
+    passed without a refresh. Refresh errors are logged and the thread's connection is closed
+    (the next refresh reconnects); the thread stops once the lease is no longer the owner's.
     """
 
     def __init__(
@@ -189,12 +194,19 @@ class LeaseKeeper:
         self.owner = owner
         self.ttl = ttl_seconds
         self.interval = interval_seconds
+        #: Set once a refresh found the lease taken over (the holder must stop its work).
+        self.lost = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"lease-{name}", daemon=True)
 
     def beat(self) -> bool:
-        """Refresh the lease now; ``False`` if it is no longer the owner's."""
-        return renew_lease(self.kernel, self.name, self.owner, self.ttl)
+        """Refresh the lease now; ``False`` (and :attr:`lost` true) if it is no longer the
+        owner's.
+        """
+        if renew_lease(self.kernel, self.name, self.owner, self.ttl):
+            return True
+        self.lost = True
+        return False
 
     def _loop(self) -> None:
         try:
@@ -203,7 +215,9 @@ class LeaseKeeper:
                     if not self.beat():
                         return
                 except Exception:
+                    # Never reuse a connection that failed: the next beat opens a new one.
                     logger.exception("Refreshing the %s lease failed", self.name)
+                    connection.close()
         finally:
             connection.close()
 
@@ -251,9 +265,10 @@ def run_maintenance_tick(kernel: Kernel, worker_id: str) -> TickResult:
     """One maintenance tick (H-10), each step in its own error boundary.
 
     Ticks never overlap (Part I item 18): a tick that cannot take the ``maintenance-tick``
-    lease returns at once with ``skipped=True``. The lease lasts ``STALE_LEASE_SECONDS`` and is
-    refreshed while the tick runs (:class:`LeaseKeeper`), so a tick may take longer than that,
-    and a tick whose process died stops blocking the others after ``STALE_LEASE_SECONDS``.
+    lease returns at once with ``skipped=True``. The lease lasts
+    :func:`maintenance_lease_seconds` and is refreshed while the tick runs
+    (:class:`LeaseKeeper`), so a tick may take longer than that, and a tick whose process died
+    stops blocking the others after that long.
     """
     out = TickResult()
     close_old_connections()
@@ -308,12 +323,11 @@ def _tick_steps(kernel: Kernel, worker_id: str, out: TickResult) -> None:
             wake_ready_jobs(kernel, older_than_seconds=0.0)
 
     def flush() -> None:
-        out.events_flushed = (
-            flush_outbox(
-                kernel, worker_id, max_events=int(workflow_settings.MAX_OUTBOX_FLUSH_PER_TICK)
-            )
-            or 0
+        published = flush_outbox(
+            kernel, worker_id, max_events=int(workflow_settings.MAX_OUTBOX_FLUSH_PER_TICK)
         )
+        out.flush_skipped = published is None
+        out.events_flushed = published or 0
 
     def reap_stuck() -> None:
         res = kernel.dispatch(

@@ -364,6 +364,24 @@ class JobQueue:
             )
         )
 
+    def release(self, job_id: int, *, attempt: int) -> bool:
+        """Give a RUNNING job back to the queue at once (a stopping worker past its grace
+        period, issue 8 item 3): PENDING, lease cleared, fenced by ``attempt``. The released
+        delivery does not count against ``max_attempts`` (it is raised by one), and its late
+        result matches no fence (the job is no longer RUNNING at ``attempt``). ``False`` if
+        the delivery no longer owns the job (its outcome committed first, or it was reaped).
+        """
+        return bool(
+            WorkflowJob.objects.filter(pk=job_id, status=Status.RUNNING, attempt=attempt).update(
+                status=Status.PENDING,
+                worker_id=None,
+                locked_at=None,
+                next_poll_at=None,
+                max_attempts=F("max_attempts") + 1,
+                updated_at=self.clock.now(),
+            )
+        )
+
     def release_stale(self, threshold_seconds: float) -> int:
         """RUNNING jobs whose lease is older than the threshold go back to PENDING (DM-45).
 

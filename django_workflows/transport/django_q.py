@@ -11,18 +11,24 @@ Tasks:
   leftover work to the next wake-up. Sent after commits that enqueued jobs nobody leased, or
   that created a run (at most ``max_pending_wakeups`` queued at once). Worker processes also
   flush the outbox right after their commits (:mod:`..kernel.flusher`).
-* :func:`ticker` - run maintenance ticks every ``TICK_INTERVAL_SECONDS`` for up to
-  ``TICKER_RUN_SECONDS`` while holding the ``ticker`` lease, so suspended stages are polled
-  with sub-minute latency. It stops early once no run is PENDING or RUNNING. A django-q2
-  schedule (every minute, installed by ``migrate`` or ``workflows_install_schedule``) starts it
-  as the floor; a stage that suspends or a retry wakes it at once.
+* :func:`ticker` - the floor of prompt recovery: make sure this worker process's supervisor
+  thread runs and let it look at once (returns in milliseconds, so it never delays a stop). A
+  django-q2 schedule (every minute, installed by ``migrate`` or ``workflows_install_schedule``)
+  sends it.
+
+Worker processes (:func:`on_post_spawn`, connected to django-q2's ``post_spawn`` signal, and
+lazily from each task) run a supervisor thread (:mod:`..kernel.supervisor`): the process that
+holds the ``ticker`` lease runs maintenance ticks every ``TICK_INTERVAL_SECONDS`` while runs
+are live, every other process notices a dead holder within the lease's TTL, and the cluster's
+SIGTERM is seen there (graceful stop: no new lease, release past ``STOP_GRACE_SECONDS``).
 
 Routing (issue 8 item 5): a worker process serves the queues whose django-q2 cluster is its
 own (:func:`served_queues`, from ``Conf.CLUSTER_NAME``, which ``Q_CLUSTER_NAME=gpu`` selects);
 wake-ups for a queue's jobs go to that queue's cluster (``async_task(..., cluster=...)``), so
 with the ORM broker they land in that cluster's ``list_key`` and with the Redis broker in its
 ``django_q:<cluster>:q`` list. Each worker process announces its queues
-(:func:`announce_presence`) from a light timer thread so idle workers stay visible.
+(:func:`announce_presence`) from its supervisor thread (:class:`PresenceDuty`) so idle
+workers stay visible.
 
 Cluster settings that matter (see README): ``timeout`` above your longest stage, ``retry``
 above ``timeout``, ``max_attempts: 1`` (our table decides retries), ``save_limit: -1``, and
@@ -32,62 +38,81 @@ above ``timeout``, ``max_attempts: 1`` (our table decides retries), ``save_limit
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
-import time
 from dataclasses import asdict
 from typing import Any
 
-from django.db import close_old_connections, connection
+from django.db import close_old_connections
 
 from ..conf import workflow_settings
 from ..kernel import flusher, routing
 from ..kernel.hosting import (
-    LeaseKeeper,
-    acquire_lease,
+    ProcessResult,
     default_worker_id,
-    lease_heartbeat_seconds,
     lease_is_free,
     process_available_jobs,
-    release_lease,
-    renew_lease,
-    run_maintenance_tick,
 )
 from ..kernel.runtime import get_kernel
+from ..kernel.supervisor import (
+    TICKER_LEASE,
+    StopDuty,
+    StopSignal,
+    Supervisor,
+    TickerDuty,
+)
+from ..kernel.supervisor import (
+    ticker_lease_seconds as ticker_lease_seconds,
+)
 
 logger = logging.getLogger("django_workflows.worker")
 
 WORK_TASK = "django_workflows.transport.django_q.work"
 TICKER_TASK = "django_workflows.transport.django_q.ticker"
-TICKER_LEASE = "ticker"
 SCHEDULE_NAME = "django_workflows.ticker"
 
-_worker_id: str | None = None
+_worker_id: tuple[int, str] | None = None
 _worker_id_lock = threading.Lock()
 
 
 def worker_id() -> str:
-    """This process's worker id (stable for the life of the django-q2 worker process)."""
+    """This process's worker id (stable for the life of the django-q2 worker process; a
+    forked child makes its own, so two processes never share one - it names lease owners).
+    """
     global _worker_id
     with _worker_id_lock:
-        if _worker_id is None:
-            _worker_id = default_worker_id()
-        return _worker_id
+        if _worker_id is None or _worker_id[0] != os.getpid():
+            _worker_id = (os.getpid(), default_worker_id())
+        return _worker_id[1]
 
 
 def work(claim: bool = False) -> dict[str, Any]:
     """django-q2 task: deliver up to ``JOBS_PER_WAKEUP`` jobs, continuing each run this worker
     advances and claiming PENDING runs when no job is ready (:mod:`..kernel.delivery`).
 
+    Once the cluster is stopping (:func:`stop_signal`) no further job is leased and no next
+    stage is continued; a wake-up taken after that returns at once, and either hands one
+    wake-up on (to a cluster that is not stopping).
+
     ``claim`` is kept for wake-ups queued by older versions; claiming is always on demand.
     """
+    stop = stop_signal()
+    if stop.is_set():
+        # A wake-up prefetched by a stopping cluster: hand it on to a cluster that is not
+        # stopping (this cluster's pusher fetches nothing more) instead of working.
+        transport = get_kernel().transport
+        for queue in sorted(served_queues()):
+            transport.wake_workers(1, queue=queue)
+        return asdict(ProcessResult())
+    ensure_supervisor()
     close_old_connections()
     kernel = get_kernel()
     flusher.enable(kernel)
     queues = served_queues()
-    _presence.announce_if_due()
     limit = int(workflow_settings.JOBS_PER_WAKEUP)
-    result = process_available_jobs(kernel, worker_id(), max_jobs=limit, queues=queues)
-    if result.processed >= limit:
+    result = process_available_jobs(kernel, worker_id(), max_jobs=limit, stop=stop, queues=queues)
+    if result.processed >= limit or stop.is_set():
         for queue in sorted(queues):  # work may be left: hand it to the next free worker
             kernel.transport.wake_workers(1, queue=queue)
     return asdict(result)
@@ -120,102 +145,130 @@ def announce_presence() -> None:
         routing.announce(worker_id(), queues)
 
 
-class _PresenceTimer:
-    """A daemon thread per process that calls :func:`announce_presence` every
-    :func:`..kernel.routing.presence_interval_seconds` (closing its connection in between), so
-    an idle worker stays visible. Started on django-q2's ``post_spawn`` signal (in each worker
-    process; the ``work`` task also announces when due). Errors are logged and retried at the
-    next interval.
+class PresenceDuty:
+    """Supervisor duty (:mod:`..kernel.supervisor`): announce this worker process's queues
+    every :func:`..kernel.routing.presence_interval_seconds` (stage routing presence), so an
+    idle worker stays visible; a stopping process withdraws its presence at once.
     """
 
+    name = "presence"
+
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._last = 0.0
+        self._due = 0.0
+        self._stopped = False
 
-    def ensure_started(self) -> None:
-        with self._lock:
-            if self._thread is not None and self._thread.is_alive():
-                return
-            self._thread = threading.Thread(target=self._loop, name="presence", daemon=True)
-            self._thread.start()
+    def poke(self) -> None:
+        self._due = 0.0
 
-    def announce_if_due(self) -> None:
-        """Announce now unless this process announced within half an interval."""
-        if time.monotonic() - self._last >= routing.presence_interval_seconds() / 2:
-            self._announce()
+    def stop(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            queues = served_queues()
+            if queues:
+                routing.withdraw(worker_id(), queues)
 
-    def _announce(self) -> None:
-        try:
+    def run(self, now: float) -> float:
+        if self._stopped:
+            return routing.presence_interval_seconds()
+        if now >= self._due:
             announce_presence()
-            self._last = time.monotonic()
-        except Exception:
-            logger.exception("Announcing worker presence failed")
-            connection.close()
-
-    def _loop(self) -> None:
-        while True:
-            self.announce_if_due()
-            connection.close()  # hold no connection while idle
-            time.sleep(max(0.05, routing.presence_interval_seconds() / 2))
-
-
-_presence = _PresenceTimer()
-
-
-def on_post_spawn(sender: Any = None, **kwargs: Any) -> None:
-    """django-q2 ``post_spawn`` receiver: start the presence timer in a new worker process."""
-    _presence.ensure_started()
-
-
-def _has_live_runs() -> bool:
-    from ..models import Status, WorkflowRun
-
-    return WorkflowRun.objects.filter(status__in=[Status.PENDING, Status.RUNNING]).exists()
+            self._due = now + routing.presence_interval_seconds()
+        return max(0.0, self._due - now)
 
 
 def ticker(run_seconds: float | None = None) -> dict[str, Any]:
-    """django-q2 task: maintenance ticks every ``TICK_INTERVAL_SECONDS`` while holding the
-    ``ticker`` lease; returns at once if another ticker holds it.
+    """django-q2 task: start this worker process's supervisor thread if it is not running and
+    make its ticker duty look at once (take the ``ticker`` lease if runs are live and nobody
+    holds it). Returns at once: ``{"supervisor": pid}``.
 
-    It stops after ``run_seconds`` (default ``TICKER_RUN_SECONDS``), or after the first tick
-    that began with no PENDING or RUNNING run - so the events written when the last run ended
-    are flushed before it stops. The lease (:func:`ticker_lease_seconds`) is refreshed while the
-    ticker runs; if it was lost to another ticker, this one stops.
+    ``run_seconds`` is accepted (and ignored) for ticker tasks queued by older versions, which
+    ran the ticks in the task itself.
     """
-    close_old_connections()
-    kernel = get_kernel()
-    owner = worker_id() + "-ticker"
-    duration = float(
-        run_seconds if run_seconds is not None else workflow_settings.TICKER_RUN_SECONDS
-    )
-    interval = float(workflow_settings.TICK_INTERVAL_SECONDS)
-    ttl = ticker_lease_seconds(duration)
-    if not acquire_lease(kernel, TICKER_LEASE, owner, ttl):
-        return {"ticks": 0, "skipped": True}
-    ticks = 0
-    deadline = time.monotonic() + duration
+    supervisor = ensure_supervisor()
+    supervisor.poke(TickerDuty.name)
+    return {"supervisor": os.getpid()}
+
+
+# --- the worker process: supervisor thread and the cluster's stop --------------------------------
+
+_stop = StopSignal()
+_supervisor: Supervisor | None = None
+_supervisor_pid: int | None = None
+_supervisor_lock = threading.Lock()
+
+
+def stop_signal() -> StopSignal:
+    """This process's stop request (set once its django-q2 cluster is stopping)."""
+    return _stop
+
+
+def find_cluster_stop_event() -> Any | None:
+    """django-q2's ``stop_event`` of the cluster this worker process belongs to, or ``None``.
+
+    django-q2 (1.x, fork start method) forks worker processes from its ``Sentinel``, so the
+    forked child's call stack still holds the ``Sentinel`` frames (``spawn_cluster`` or
+    ``reincarnate`` -> ``spawn_worker``): the stack is walked from the caller (the
+    ``post_spawn`` receiver) up to a frame whose ``self`` is a ``Sentinel``, and its
+    ``stop_event`` (set by the cluster's main process on SIGTERM) is returned. ``None`` when
+    not found (another start method, another django-q2 version, not a worker process): then
+    the graceful stop is not available and django-q2's own stop applies (the worker finishes
+    its current task, which may lease up to ``JOBS_PER_WAKEUP`` jobs).
+    """
     try:
-        with LeaseKeeper(kernel, TICKER_LEASE, owner, ttl, lease_heartbeat_seconds(ttl)):
-            while time.monotonic() < deadline:
-                # Read before the tick: the tick after the last run ended flushes its events.
-                live = _has_live_runs()
-                run_maintenance_tick(kernel, owner)
-                ticks += 1
-                if not live or not renew_lease(kernel, TICKER_LEASE, owner, ttl):
-                    break
-                time.sleep(interval)
-    finally:
-        release_lease(TICKER_LEASE, owner)
-    return {"ticks": ticks, "skipped": False}
+        from django_q.cluster import Sentinel
+    except Exception:  # pragma: no cover - django-q2 not importable
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Sentinel):
+            return getattr(candidate, "stop_event", None)
+        frame = frame.f_back
+    return None
 
 
-def ticker_lease_seconds(run_seconds: float) -> float:
-    """TTL of the ``ticker`` lease: ``STALE_LEASE_SECONDS``, capped at the ticker's run time
-    plus 30 s. The ticker refreshes it while it runs, so a ticker killed with its cluster
-    stops blocking new tickers after this long.
+def ensure_supervisor(cluster_stop: Any = None) -> Supervisor:
+    """This process's supervisor thread, started if it is not running (after a fork it is
+    made anew). ``cluster_stop``: the cluster's stop event, when known (:func:`on_post_spawn`).
     """
-    return min(run_seconds + 30, float(workflow_settings.STALE_LEASE_SECONDS))
+    global _supervisor, _supervisor_pid, _stop
+    with _supervisor_lock:
+        pid = os.getpid()
+        if _supervisor is None or _supervisor_pid != pid:
+            if _supervisor_pid != pid and _supervisor_pid is not None:
+                _stop = StopSignal()  # inherited from the forking process: not ours
+            if cluster_stop is not None:
+                _stop.cluster_event = cluster_stop
+            supervisor = Supervisor()
+            supervisor.add(TickerDuty(get_kernel, worker_id() + "-ticker"))
+            supervisor.add(PresenceDuty())
+            supervisor.add(StopDuty(get_kernel, _stop, lambda: list(supervisor.duties)))
+            _supervisor, _supervisor_pid = supervisor, pid
+        return _supervisor.start()
+
+
+def current_supervisor() -> Supervisor | None:
+    """The supervisor of this process, if one was started here."""
+    if _supervisor is not None and _supervisor_pid == os.getpid() and _supervisor.alive:
+        return _supervisor
+    return None
+
+
+def on_post_spawn(sender: Any = None, **kwargs: Any) -> None:
+    """Receiver of django-q2's ``post_spawn`` (sent by each new worker process): start the
+    supervisor thread with the cluster's stop event (:func:`find_cluster_stop_event`).
+    """
+    event = find_cluster_stop_event()
+    if event is None:
+        logger.warning(
+            "Worker %s: django-q2's stop event was not found; a stopping cluster may still "
+            "lease jobs (graceful stop unavailable)",
+            os.getpid(),
+        )
+    try:
+        ensure_supervisor(event)
+    except Exception:  # never keep a worker from starting; the tasks start it lazily
+        logger.exception("Could not start the workflow supervisor thread")
 
 
 class DjangoQTransport:
@@ -264,7 +317,10 @@ class DjangoQTransport:
             self._send(WORK_TASK, cluster)
 
     def wake_ticker(self) -> None:
-        if lease_is_free(get_kernel(), TICKER_LEASE):
+        supervisor = current_supervisor()
+        if supervisor is not None:  # a worker process: its own supervisor looks at once
+            supervisor.poke(TickerDuty.name)
+        elif lease_is_free(get_kernel(), TICKER_LEASE):
             self._send(TICKER_TASK, routing.default_cluster())
 
 

@@ -177,9 +177,9 @@ def without(env: dict[str, str], *names: str) -> dict[str, str]:
 def tick_command(interval: float = 0.2) -> tuple[str, ...]:
     """``manage.py`` arguments of a maintenance-tick loop (stale leases, wake-ups, outbox).
 
-    The fault tests run one beside their clusters so lease expiry is noticed within a
-    fraction of a second instead of at django-q2's first scheduler pass (about 30 s), and
-    without a cluster worker being taken by the ticker task.
+    Some fault tests run one beside their clusters so lease expiry is noticed within a
+    fraction of a second of a 0.2 s interval; clusters also tick on their own (every worker
+    process's supervisor thread competes for the ``ticker`` lease).
     """
     return ("workflows_tick", "--loop", "--interval", str(interval))
 

@@ -11,7 +11,8 @@ attempt moved on): no second ``stage:completed``, no overwritten output, no ``st
 no failed run; a WARN line says it was discarded. Then the gate opens and the run completes.
 
 A ``workflows_tick --loop`` process beside the cluster notices the expired lease within a tick
-(0.2 s) instead of at django-q2's first scheduler pass. Each test takes about 20-25 s; they run
+(0.2 s); the cluster's own supervisor threads do not tick here (``SUPERVISOR_TICKS`` off, see
+``PAUSE_ENV``). Each test takes about 20-25 s; they run
 on PostgreSQL and on SQLite.
 """
 
@@ -52,6 +53,10 @@ PAUSE_ENV = {
     "WORKFLOWS_STALE_LEASE_SECONDS": str(STALE_LEASE_SECONDS),
     "WORKFLOWS_HEARTBEAT_SECONDS": "1",
     "WORKFLOWS_TICK_INTERVAL": "0.2",
+    # Maintenance runs only in the tick loop beside the cluster: a worker process whose
+    # supervisor thread ticks could be frozen inside a tick's write transaction, and on SQLite
+    # a frozen holder of the write lock blocks every other process for the whole pause.
+    "WORKFLOWS_SUPERVISOR_TICKS": "0",
     "Q_WORKERS": "2",
 }
 

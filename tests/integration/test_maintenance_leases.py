@@ -1,4 +1,5 @@
-"""Maintenance leases after a crash: the tick and ticker leases follow ``STALE_LEASE_SECONDS``
+"""Maintenance leases after a crash: the tick and ticker leases follow ``TICKER_LEASE_SECONDS``
+(at most ``STALE_LEASE_SECONDS``)
 and are refreshed while held; the ticker's last tick flushes the events of the last run.
 
 A cluster killed with SIGKILL mid-tick leaves both leases behind. They used to last
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from django_workflows.kernel import CancelRun, ClaimPendingRuns, CreateRun, Kernel
+from django_workflows.kernel import CancelRun, ClaimPendingRuns, CreateRun, Kernel, hosting
 from django_workflows.kernel.hosting import (
     TICK_LEASE,
     LeaseKeeper,
@@ -22,6 +23,7 @@ from django_workflows.kernel.hosting import (
     maintenance_lease_seconds,
     run_maintenance_tick,
 )
+from django_workflows.kernel.supervisor import TickerDuty
 from django_workflows.models import MaintenanceLease, OutboxEvent, Status, WorkflowRun
 from django_workflows.testing import CollectingSink, FakeClock
 from django_workflows.transport import django_q
@@ -79,11 +81,17 @@ def test_lease_keeper_refreshes_only_its_own_lease(
 
 
 def test_ticker_lease_follows_stale_lease_seconds(settings: Any) -> None:
-    """The ticker lease lasts ``STALE_LEASE_SECONDS``, at most the ticker's run time + 30 s."""
+    """The ticker lease lasts ``TICKER_LEASE_SECONDS``, at most ``STALE_LEASE_SECONDS`` (a dead
+    host holding a job and the ticker lease is replaced as a ticker by the time its job is
+    stale). It no longer depends on a ticker task's run time: the ticker now runs in each
+    worker process's supervisor thread.
+    """
     settings.DJANGO_WORKFLOWS = {**settings.DJANGO_WORKFLOWS, "STALE_LEASE_SECONDS": 3}
-    assert django_q.ticker_lease_seconds(50) == 3
+    assert django_q.ticker_lease_seconds() == 3
     settings.DJANGO_WORKFLOWS = {**settings.DJANGO_WORKFLOWS, "STALE_LEASE_SECONDS": 300}
-    assert django_q.ticker_lease_seconds(50) == 80
+    assert django_q.ticker_lease_seconds() == 10
+    settings.DJANGO_WORKFLOWS = {**settings.DJANGO_WORKFLOWS, "TICKER_LEASE_SECONDS": 45}
+    assert django_q.ticker_lease_seconds() == 45
 
 
 def test_ticker_flushes_the_events_of_a_run_that_ended_after_its_last_tick(
@@ -94,13 +102,12 @@ def test_ticker_flushes_the_events_of_a_run_that_ended_after_its_last_tick(
 ) -> None:
     """EV-4, H-10: the ticker stops once no run is live, but only after a tick that began with
     no live run - so ``workflow:cancelled`` of a run cancelled just after a tick's flush is
-    published before the ticker stops, not a minute later by the next scheduled ticker.
+    published before the ticker gives its lease up, not a minute later.
     """
     kernel = kernel_for(two_stage())
     run_id = kernel.dispatch(CreateRun("two-stage", {"value": 1})).workflow_run_id
     kernel.dispatch(ClaimPendingRuns("w"))
-    monkeypatch.setattr(django_q, "get_kernel", lambda: kernel)
-    real_tick = django_q.run_maintenance_tick
+    real_tick = hosting.run_maintenance_tick
     calls: list[int] = []
 
     def tick_then_cancel(k: Kernel, owner: str) -> Any:
@@ -110,11 +117,14 @@ def test_ticker_flushes_the_events_of_a_run_that_ended_after_its_last_tick(
             k.dispatch(CancelRun(run_id, reason="after the flush"))
         return out
 
-    monkeypatch.setattr(django_q, "run_maintenance_tick", tick_then_cancel)
-    result = django_q.ticker(run_seconds=10)
-
+    monkeypatch.setattr(hosting, "run_maintenance_tick", tick_then_cancel)
+    duty = TickerDuty(lambda: kernel, "ticker-1")
+    now = 0.0
+    for _ in range(5):
+        duty.run(now)
+        now += 1
     assert WorkflowRun.objects.get(pk=run_id).status == Status.CANCELLED
-    assert result == {"ticks": 2, "skipped": False}
+    assert duty.ticks == 2 and duty.holding is False
     assert not OutboxEvent.objects.filter(published_at=None).exists()
     assert sink.types(run_id)[-1] == "workflow:cancelled"
     assert not MaintenanceLease.objects.exists()  # both leases released

@@ -393,13 +393,13 @@ def test_the_work_task_leases_its_clusters_queues_and_announces_them(
     try:
         kernel = get_kernel()
         run_id = kernel.dispatch(CreateRun("gpu-only", {"value": 2})).workflow_run_id
-        monkeypatch.setattr(dq, "_presence", dq._PresenceTimer())
         assert dq.work()["processed"] == 0  # a default-cluster worker: claims, leaves the job
+        dq.PresenceDuty().run(0.0)  # the supervisor thread's presence duty, run here
         assert routing.live_queues() == {"default"}
         assert _jobs(run_id)[0].status == Status.PENDING
         monkeypatch.setattr(Conf, "CLUSTER_NAME", "gpu")
-        monkeypatch.setattr(dq, "_presence", dq._PresenceTimer())
         assert dq.work()["processed"] == 1
+        dq.PresenceDuty().run(0.0)
         assert routing.live_queues() == {"default", "gpu"}
         assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED
     finally:

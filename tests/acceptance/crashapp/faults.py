@@ -10,6 +10,8 @@ interleave), so a test can count how often each stage really ran.
   it returns (``late="success"``) or raises (``late="fail"``: a non-retryable validation error,
   ``late="retryable"``: a plain exception). Every other delivery returns at once. The output
   names the delivery (entry number and pid), so the test can tell whose output was kept.
+  With ``CRASH_SLOW_CANCELLABLE=1`` the wait also ends once ``ctx.is_cancelled()`` is true
+  (the graceful-stop test: a released delivery returns its late result).
   ``reader`` copies what it read from ``slow``. ``gate`` on its first entry writes
   ``{run}.gate.blocked`` and waits for ``{run}.gate.go``: it holds the run RUNNING until the
   late delivery of ``slow`` has been dealt with.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +45,9 @@ from .workflows import crash_dir, enter
 
 def record_execution(run_id: str, stage_id: str, entry: int = 0) -> None:
     """Append one line for this execution of ``stage_id`` to ``executions.jsonl``."""
-    line = json.dumps({"pid": os.getpid(), "run": run_id, "stage": stage_id, "entry": entry})
+    line = json.dumps(
+        {"pid": os.getpid(), "run": run_id, "stage": stage_id, "entry": entry, "at": time.time()}
+    )
     fd = os.open(crash_dir() / "executions.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         os.write(fd, (line + "\n").encode())
@@ -50,12 +55,16 @@ def record_execution(run_id: str, stage_id: str, entry: int = 0) -> None:
         os.close(fd)
 
 
-def wait_for_file(path: Path) -> bool:
-    """Wait (bounded by ``CRASH_BLOCK_SECONDS``, default 60) until ``path`` exists."""
+def wait_for_file(path: Path, cancelled: Callable[[], bool] | None = None) -> bool:
+    """Wait (bounded by ``CRASH_BLOCK_SECONDS``, default 60) until ``path`` exists, or until
+    ``cancelled()`` is true (then ``False``).
+    """
     deadline = time.monotonic() + float(os.environ.get("CRASH_BLOCK_SECONDS", "60"))
     while time.monotonic() < deadline:
         if path.exists():
             return True
+        if cancelled is not None and cancelled():
+            return False
         time.sleep(0.05)
     return False
 
@@ -95,7 +104,8 @@ def pause_slow(ctx: StageContext[Slow, Any]) -> Slow:
     record_execution(run_id, "slow", count)
     if count == 1:
         (crash_dir() / f"{run_id}.slow.blocked").write_text(str(os.getpid()))
-        wait_for_file(crash_dir() / f"{run_id}.slow.resume")
+        cancellable = ctx.is_cancelled if os.environ.get("CRASH_SLOW_CANCELLABLE") else None
+        wait_for_file(crash_dir() / f"{run_id}.slow.resume", cancellable)
         if ctx.input.late == "fail":
             _Never.model_validate({})  # a ValidationError: not retryable
         if ctx.input.late == "retryable":
