@@ -109,9 +109,11 @@ class Scenario:
                 host.wait_ready()
 
     def sql(self, query: str, *params: Any) -> list[tuple[Any, ...]]:
-        """Rows of ``query`` on the test's database (a direct connection: cheap enough to poll)."""
+        """Rows of ``query`` on the test's database (a direct connection: cheap enough to poll);
+        ``[]`` for a statement that returns none."""
         with self.lab.pg.connect(self.dbname) as conn:
-            return conn.execute(query, params).fetchall()
+            cursor = conn.execute(query, params)
+            return cursor.fetchall() if cursor.description is not None else []
 
     def host_logs(self) -> str:
         """The tail of every host log of this test (for assertion messages)."""

@@ -227,6 +227,8 @@ class Host:
         self.address = address
         self.cluster: Cluster | None = None
         self.pgids: list[int] = []
+        #: When (``time.time()``) each cluster (by process group) was sent its SIGTERM.
+        self.stop_sent: dict[int, float] = {}
         self.starts = 0
 
     def start(self, env: dict[str, str], log_dir: Path) -> Cluster:
@@ -267,6 +269,7 @@ class Host:
         (``time.time()``). Wait with :meth:`wait_exit`."""
         assert self.cluster is not None and self.cluster.proc is not None
         sent = time.time()
+        self.stop_sent[self.cluster.proc.pid] = sent
         self.cluster.proc.send_signal(signal.SIGTERM)
         return sent
 
@@ -282,8 +285,12 @@ class Host:
         return True
 
     def stop(self, timeout: float = 60) -> None:
-        if self.cluster is not None:
-            self.cluster.stop(timeout=timeout)
+        """SIGTERM to the main process and wait (SIGKILL to the group past ``timeout``)."""
+        cluster = self.cluster
+        if cluster is not None and cluster.proc is not None:
+            if cluster.running:
+                self.stop_sent.setdefault(cluster.proc.pid, time.time())
+            cluster.stop(timeout=timeout)
 
     def kill(self) -> float:
         """SIGKILL to the cluster's whole process group (the host loses power); returns when."""

