@@ -177,9 +177,13 @@ def run_span_seconds(sc: Scenario, run_ids: list[str]) -> float:
 THROUGHPUT_RUNS = int(os.environ.get("HOSTS_THROUGHPUT_RUNS", "40"))
 #: Rounds alternate 1, 3, 1, 3, 1, 3 hosts (interleaved, so load from elsewhere hits both alike).
 THROUGHPUT_ROUNDS = (1, 3, 1, 3, 1, 3)
-#: A conservative bound, far below the issue's 2.5x target: this test shares 2 cores with
-#: PostgreSQL and whatever else runs; the measured ratio is reported, not asserted.
-MIN_SPEEDUP = float(os.environ.get("HOSTS_MIN_SPEEDUP", "1.4"))
+#: A conservative bound, far below the issue's 2.5x target: the 3 hosts, PostgreSQL and
+#: whatever else runs share 2 cores (1.5x was measured at load average 6, 2.1x at 2-3); the
+#: measured ratio is reported. Below this the hosts are not sharing the work at all.
+MIN_SPEEDUP = float(os.environ.get("HOSTS_MIN_SPEEDUP", "1.25"))
+#: Each host's least share of the stages of a 3-host round (CPU-independent: every host has
+#: the same number of workers, so each should run about a third).
+MIN_HOST_SHARE = 0.15
 
 
 def test_a_throughput_one_vs_three_hosts(scenario: Scenario) -> None:
@@ -193,6 +197,7 @@ def test_a_throughput_one_vs_three_hosts(scenario: Scenario) -> None:
     rates: dict[int, list[float]] = {1: [], 3: []}
     loads: list[float] = []
     connections: list[dict[str, int]] = []
+    shares: list[dict[str, float]] = []
     all_runs: dict[str, dict[str, Any]] = {}
     for hosts in THROUGHPUT_ROUNDS:
         if hosts == 3 and not (h2.cluster and h2.cluster.running):
@@ -200,10 +205,16 @@ def test_a_throughput_one_vs_three_hosts(scenario: Scenario) -> None:
         if hosts == 1 and h2.cluster and h2.cluster.running:
             h2.stop()
             h3.stop()
+        before = len(executions(sc.crash_dir))
         ids = burst(sc, THROUGHPUT_RUNS)
-        wait_executions(sc, len(executions(sc.crash_dir)) + THROUGHPUT_RUNS)
+        wait_executions(sc, before + THROUGHPUT_RUNS)
         connections.append(connections_per_host(sc))
         runs = settle_runs(sc.env, ids, timeout=SETTLE_SECONDS)
+        if hosts == 3:
+            ran = Counter(sc.lab.host_of(e["pgid"]).name for e in executions(sc.crash_dir)[before:])
+            shares.append(
+                {name: round(n / sum(ran.values()), 2) for name, n in sorted(ran.items())}
+            )
         all_runs.update(runs)
         done = all(r["status"] == "COMPLETED" for r in runs.values())
         span = run_span_seconds(sc, ids) if done else float("inf")
@@ -218,8 +229,11 @@ def test_a_throughput_one_vs_three_hosts(scenario: Scenario) -> None:
         speedup=round(ratio, 2),
         load_avg_1min=[round(x, 2) for x in loads],
         connections_per_host=connections,
+        stage_share_3_hosts=shares,
     )
     check_runs(sc, all_runs)
+    for share in shares:  # the hosts share the work (a fair share is 1/3 each)
+        assert len(share) == 3 and min(share.values()) >= MIN_HOST_SHARE, shares
     assert ratio >= MIN_SPEEDUP, (
         f"3 hosts: {rates[3]} stages/s vs 1 host: {rates[1]} (x{ratio:.2f} < x{MIN_SPEEDUP})"
     )
