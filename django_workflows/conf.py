@@ -33,6 +33,11 @@ DEFAULTS: dict[str, Any] = {
     "RETRY_BACKOFF_MAX_SECONDS": 300.0,
     # Where a suspended stage is next polled when it names no time (SM-22, K-JE-16).
     "SUSPEND_FALLBACK_SECONDS": 60.0,
+    # How long (seconds) the stage path and the heartbeat keep reconnecting and retrying a
+    # transaction whose database connection died (terminated, idle timeout, database restart),
+    # counted from the first failure; back-off 0.05 s doubling to 2 s (kernel/connections.py).
+    # Default 60: long enough to survive a database restart. 0: one immediate retry only.
+    "RECONNECT_SECONDS": 60.0,
     # Maintenance tick (SPEC §7.3)
     "MAX_CLAIMS_PER_TICK": 10,
     "MAX_SUSPENDED_CHECKS_PER_TICK": 10,

@@ -106,10 +106,10 @@ Q_CLUSTER = {
     "name": "workflows",
     "orm": "default",
     "workers": int(os.environ.get("Q_WORKERS", "4")),
-    # Longest stage we allow, in seconds; django-q2 kills a task past it.
-    "timeout": 600,
+    # Longest stage we allow, in seconds; django-q2 kills a task past it (Q_TIMEOUT: tests).
+    "timeout": int(os.environ.get("Q_TIMEOUT", "600")),
     # Must exceed timeout, or long tasks are delivered twice (ARCHITECTURE §5).
-    "retry": 660,
+    "retry": int(os.environ.get("Q_RETRY", "660")),
     "max_attempts": 1,
     "save_limit": -1,
     "ack_failures": True,
@@ -122,6 +122,8 @@ DJANGO_WORKFLOWS = {
     "TICK_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_TICK_INTERVAL", "0.5")),
     "STALE_LEASE_SECONDS": int(os.environ.get("WORKFLOWS_STALE_LEASE_SECONDS", "300")),
     "HEARTBEAT_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_HEARTBEAT_SECONDS", "30")),
+    # Test hook: below Q_TIMEOUT when a test shortens django-q2's timeout.
+    "TICKER_RUN_SECONDS": float(os.environ.get("WORKFLOWS_TICKER_RUN_SECONDS", "50")),
     # Test hook: dotted path of a clock factory (the acceptance tests' skewed clock).
     "CLOCK": os.environ.get("WORKFLOWS_CLOCK") or None,
     # Comma-separated dotted paths of plugins (the acceptance tests' event recorder).

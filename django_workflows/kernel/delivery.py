@@ -24,6 +24,16 @@ A worker runs this story in a loop (:func:`work`):
    (cancelled) makes the result a ghost: only the job is failed, without retry.
 4. If step 3 leased the next stage, go to 2 with it; otherwise to 1.
 
+Transactions 1 and 3 (and each heartbeat) that hit a dead database connection - terminated,
+closed by ``idle_session_timeout`` while the stage ran, or refused during a database restart -
+are run again on a new connection (:func:`.connections.retry_on_disconnect`, for up to
+``RECONNECT_SECONDS``). That is safe because a rolled-back lease leased nothing and the outcome
+is fenced by the token; a retried outcome that finds the job already settled at its own
+attempt by this very outcome (its COMMIT reached the database, the acknowledgement did not) is
+reported committed, not discarded, and a job that a lost commit leased to this worker is
+taken back (:func:`_adopt_orphan`). A connection kill so costs one retried write, not a
+delivery.
+
 So a trivial stage that continues its run costs one transaction. Crash windows: before a
 lease commits nothing happened; after it the job is RUNNING and its lease expires, so
 ``lease.reapStale`` releases it for another delivery (bounded by ``max_attempts``); before
@@ -46,6 +56,7 @@ from ..conf import workflow_settings
 from ..definition.workflow import StageNode, Workflow
 from ..models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from . import events as ev
+from .connections import discard_connection, retry_on_disconnect
 from .errors import StageNotFoundError, WorkflowNotFoundError
 from .executor import ExecutionOutcome
 from .faults import fault_point
@@ -114,50 +125,84 @@ def lease(kernel: Kernel, worker_id: str) -> Delivery | None:
 
     A job whose run is not RUNNING is failed as a ghost, a job whose stage record is already
     COMPLETED (K-JE-5) is completed and its run transitioned, and the next job is tried.
+    A transaction that hit a dead database connection (one killed while the worker sat idle
+    between tasks, typically) is run again on a new one (:mod:`.connections`).
 
     Raises:
         WorkflowNotFoundError, StageNotFoundError: the job names a workflow or stage this
             process does not have; the lease stays committed and expires (re-delivery is
             bounded by ``max_attempts``).
+        django.db.OperationalError: the database stayed unreachable for ``RECONNECT_SECONDS``.
     """
     while True:
-        unexecutable: Exception | None = None
-        with transaction.atomic():
-            events: list[dict[str, Any]] = []
-            locked: dict[int, WorkflowRun | None] = {}
-
-            def run_is_free(job: WorkflowJob, locked: dict[int, Any] = locked) -> bool:
-                run = try_lock_run(job.workflow_run_id)
-                if run is LOCKED:  # never wait for a run while holding a job (deadlocks)
-                    return False
-                locked[job.pk] = run  # type: ignore[assignment]
-                return True
-
-            job = kernel.queue.lease_next(worker_id, accept=run_is_free)
-            run: WorkflowRun | None
-            records: list[WorkflowStage] | None = None
-            if job is not None:
-                run = locked[job.pk]
-            else:
-                run = claim_next_pending_run()
-                if run is None:
-                    return None
-                started = start_claimed_run(kernel, run, worker_id, events, reserve_for=worker_id)
-                if started is None or not started.jobs:
-                    append_events(events, new_causation_id(), kernel.clock.now())
-                    continue  # the run was failed instead (committed): look again
-                job, records = started.jobs[0], started.records
-            try:
-                delivery = begin(kernel, job, run, events, records=records)
-            except _Unexecutable as exc:
-                delivery, unexecutable = None, exc.__cause__
-            append_events(events, new_causation_id(), kernel.clock.now())
-            fault_point("lease.before_commit")
+        retried: list[BaseException] = []
+        found = retry_on_disconnect(
+            lambda retried=retried: _lease_transaction(kernel, worker_id, adopt=bool(retried)),
+            what="lease",
+            on_retry=retried.append,
+        )
+        if found is _AGAIN:
+            continue  # the run was failed instead (committed): look again
+        if found is None:
+            return None
+        delivery, unexecutable = found
         if unexecutable is not None:
             raise unexecutable
         if delivery is not None:
             fault_point("lease.after_commit")
             return delivery
+
+
+#: :func:`_lease_transaction` committed a settlement instead of a delivery: lease again.
+_AGAIN: Any = object()
+
+
+def _lease_transaction(
+    kernel: Kernel, worker_id: str, *, adopt: bool = False
+) -> tuple[Delivery | None, Exception | None] | None:
+    """One try of transaction 1 (safe to run again: a rolled-back try leased nothing).
+    ``None``: no work; :data:`_AGAIN`: a claimed run was failed instead; else the delivery
+    (``None`` when the job was settled without executing) and an unexecutable job's error.
+    ``adopt`` (a retry after a dead connection): first take back a job that the lost try
+    may have leased after all (:func:`_adopt_orphan`).
+    """
+    unexecutable: Exception | None = None
+    with transaction.atomic():
+        if adopt:
+            orphan = _adopt_orphan(kernel, worker_id, resumable=False)
+            if orphan is not None:
+                return orphan, None
+        events: list[dict[str, Any]] = []
+        locked: dict[int, WorkflowRun | None] = {}
+
+        def run_is_free(job: WorkflowJob, locked: dict[int, Any] = locked) -> bool:
+            run = try_lock_run(job.workflow_run_id)
+            if run is LOCKED:  # never wait for a run while holding a job (deadlocks)
+                return False
+            locked[job.pk] = run  # type: ignore[assignment]
+            return True
+
+        job = kernel.queue.lease_next(worker_id, accept=run_is_free)
+        run: WorkflowRun | None
+        records: list[WorkflowStage] | None = None
+        if job is not None:
+            run = locked[job.pk]
+        else:
+            run = claim_next_pending_run()
+            if run is None:
+                return None
+            started = start_claimed_run(kernel, run, worker_id, events, reserve_for=worker_id)
+            if started is None or not started.jobs:
+                append_events(events, new_causation_id(), kernel.clock.now())
+                return _AGAIN
+            job, records = started.jobs[0], started.records
+        try:
+            delivery = begin(kernel, job, run, events, records=records)
+        except _Unexecutable as exc:
+            delivery, unexecutable = None, exc.__cause__  # type: ignore[assignment]
+        append_events(events, new_causation_id(), kernel.clock.now())
+        fault_point("lease.before_commit")
+    return delivery, unexecutable
 
 
 def begin(
@@ -242,11 +287,78 @@ def begin(
     )
 
 
+def _adopt_orphan(
+    kernel: Kernel, worker_id: str, *, run_id: Any = None, resumable: bool = True
+) -> Delivery | None:
+    """In the caller's transaction, take back a job leased to ``worker_id`` by a commit whose
+    acknowledgement was lost (the worker saw a dead connection, the database had committed):
+    RUNNING, this worker's, its stage record RUNNING, executed by nobody (a worker process
+    runs one delivery at a time, so none of its deliveries holds it). Its lease is refreshed
+    and it is delivered with its own attempt - so the lost acknowledgement costs no delivery.
+
+    Only called on the retry after a connection error (never on the happy path).
+    ``resumable=False`` skips async-batch stages: a lease that resumed a suspended stage
+    cleared its resume state in the lost commit, so that job is left to lease expiry.
+    ``run_id`` limits the search to one run (an outcome's continuation).
+    """
+    jobs = WorkflowJob.objects.select_for_update(skip_locked=True).filter(
+        status=Status.RUNNING, worker_id=worker_id
+    )
+    if run_id is not None:
+        jobs = jobs.filter(workflow_run_id=run_id)
+    job = jobs.order_by("id").first()
+    if job is None:
+        return None
+    workflow = kernel.registry.get(job.workflow_id)
+    if workflow is None or not workflow.has_stage(job.stage_id):
+        return None
+    node = workflow.node(job.stage_id)
+    if not resumable and node.stage.mode == "async-batch":
+        return None
+    run = try_lock_run(job.workflow_run_id)
+    if run is LOCKED or run is None or run.status != Status.RUNNING:  # type: ignore[union-attr]
+        return None
+    records = stages_of(run.pk)  # type: ignore[union-attr]
+    record = next((r for r in records if r.stage_id == node.stage.id), None)
+    if record is None or record.status != Status.RUNNING:
+        return None
+    if not kernel.queue.touch(job.pk, attempt=job.attempt):
+        return None
+    earlier = [
+        r
+        for r in records
+        if r.execution_group < node.execution_group and r.status == Status.COMPLETED
+    ]
+    logger.warning(
+        "Stage %s job %s attempt %s: leased to this worker by a commit whose acknowledgement "
+        "was lost; delivering it",
+        node.stage.id,
+        job.pk,
+        job.attempt,
+    )
+    return Delivery(
+        job=job,
+        workflow=workflow,
+        node=node,
+        run=run,  # type: ignore[arg-type]
+        record=record,
+        records=records,
+        outputs=load_outputs(kernel.blobs, earlier) if earlier else {},
+        resume_state=None,
+        started_at=record.started_at or kernel.clock.now(),
+    )
+
+
 # --- 2. Execute -------------------------------------------------------------------------------
 
 
 def execute(kernel: Kernel, delivery: Delivery) -> tuple[ExecutionOutcome, KernelStageServices]:
-    """Step 2: run the stage body (no transaction) while the heartbeat keeps the lease."""
+    """Step 2: run the stage body (no transaction) while the heartbeat keeps the lease.
+
+    A stage stopped by django-q2's ``timeout`` (its ``TimeoutException``, a ``SystemExit``
+    raised by SIGALRM) becomes a failed outcome naming that timeout, with the exception kept
+    in ``outcome.stopped`` so :func:`deliver` re-raises it once the outcome committed.
+    """
     d = delivery
     services = KernelStageServices(
         clock=kernel.clock,
@@ -257,22 +369,61 @@ def execute(kernel: Kernel, delivery: Delivery) -> tuple[ExecutionOutcome, Kerne
         stage_pk=d.record.pk,
     )
     interval = float(workflow_settings.HEARTBEAT_INTERVAL_SECONDS)
-    with Heartbeat(kernel, d.job.pk, interval, d.run.pk, attempt=d.job.attempt) as beat:
-        services.lease_lost = beat.lost
-        outcome = run_stage(
-            kernel,
-            d.workflow,
-            d.node,
-            d.run,
-            d.record,
-            d.job.payload.get("config") or None,
-            d.outputs,
-            d.resume_state,
-            services,
-            d.started_at,
+    began = time.monotonic()
+    try:
+        with Heartbeat(kernel, d.job.pk, interval, d.run.pk, attempt=d.job.attempt) as beat:
+            services.lease_lost = beat.lost
+            outcome = run_stage(
+                kernel,
+                d.workflow,
+                d.node,
+                d.run,
+                d.record,
+                d.job.payload.get("config") or None,
+                d.outputs,
+                d.resume_state,
+                services,
+                d.started_at,
+            )
+    except BaseException as exc:
+        if not is_task_timeout(exc):
+            raise
+        outcome = ExecutionOutcome(
+            error=task_timeout_message(d.node.stage.id, time.monotonic() - began),
+            stopped=exc,
         )
     fault_point("stage.executing")
     return outcome, services
+
+
+def is_task_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is django-q2's ``TimeoutException`` (a ``SystemExit`` subclass raised in
+    the task by SIGALRM once ``Q_CLUSTER["timeout"]`` has passed; the guard kills the worker
+    process about 3 s later).
+    """
+    try:
+        from django_q.exceptions import TimeoutException
+    except ImportError:  # pragma: no cover - django-q2 is a dependency
+        return False
+    return isinstance(exc, TimeoutException)
+
+
+def task_timeout_message(stage_id: str, stage_seconds: float) -> str:
+    """The error of a stage stopped by django-q2's timeout (``Q_CLUSTER["timeout"]`` seconds,
+    counted from the start of the django-q2 task, which may have delivered earlier stages).
+    """
+    try:
+        from django_q.conf import Conf
+
+        limit = f"{Conf.TIMEOUT} s"
+    except Exception:  # pragma: no cover - settings without Q_CLUSTER
+        limit = "unset"
+    return (
+        f"TaskTimeout: stage {stage_id!r} was stopped by django-q2's timeout "
+        f"(Q_CLUSTER['timeout'] = {limit}) after {stage_seconds:.1f} s in the stage; the "
+        "timeout counts from the start of the django-q2 task. Raise Q_CLUSTER['timeout'] (and "
+        "'retry' above it) if the stage needs longer"
+    )
 
 
 # --- 3. Outcome -------------------------------------------------------------------------------
@@ -291,48 +442,77 @@ def commit_outcome(
     run's next stage to this worker.
     """
     d = delivery
-    job = d.job
+    retries: list[BaseException] = []
     try:
-        with transaction.atomic():
-            run = lock_run(d.run.pk)
-            if run is None or run.status != Status.RUNNING:
-                status = run.status if run is not None else "DELETED"
-                error = (
-                    f"Workflow run {d.run.pk} was {status} after stage execution; "
-                    "the result was discarded (expected RUNNING)"
-                )
-                if kernel.queue.fail(job.pk, error, attempt=job.attempt) is None:
-                    raise _Discard()  # not ours any more either: a stale delivery
-                return Outcome("ghost", error=error)
-            now = kernel.clock.now()
-            result = _settle_job(kernel, job, outcome)
-            if result is None:
-                raise _Discard()
-            stage_result, events = write_outcome(
-                kernel, run, d.node, d.record, outcome, services, d.started_at, now
-            )
-            for warning in outcome.warnings:
-                write_log(now, "WARN", warning, run_id=run.pk, stage_pk=d.record.pk)
-            if stage_result.outcome == "failed":
-                write_log(
-                    now,
-                    "ERROR",
-                    f"Stage {d.node.stage.id} failed: {stage_result.error}",
-                    run_id=run.pk,
-                    stage_pk=d.record.pk,
-                )
-            following: Delivery | None = None
-            if stage_result.outcome == "suspended" or result == Status.PENDING:
-                transaction.on_commit(kernel.transport.wake_ticker)
-            else:
-                stopping = stop is not None and stop.is_set()
-                reserve_for = None if stopping else worker_id
-                following = _transition(kernel, d, run, stage_result, events, now, reserve_for)
-            append_events(events, d.causation_id, now)
-            fault_point("outcome.before_commit")
+        return retry_on_disconnect(
+            lambda: _outcome_transaction(kernel, d, outcome, services, worker_id, stop),
+            what=f"outcome of stage {d.node.stage.id} (job {d.job.pk}, attempt {d.job.attempt})",
+            on_retry=retries.append,
+        )
     except _Discard:
-        _log_discarded(kernel, d, outcome)
+        if retries:  # the connection died: maybe after our COMMIT reached the database
+            committed = _committed_before(d, outcome)
+            if committed is not None:
+                if committed.outcome == "completed" and worker_id is not None:
+                    committed.next = _adopt_continuation(kernel, d, worker_id)
+                logger.warning(
+                    "Stage %s delivery %s of job %s: its outcome had committed before the "
+                    "connection was lost (COMMIT acknowledgement lost)",
+                    d.node.stage.id,
+                    d.job.attempt,
+                    d.job.pk,
+                )
+                return committed
+        retry_on_disconnect(lambda: _log_discarded(kernel, d, outcome), what="discard log")
         return Outcome("discarded", error=outcome.error)
+
+
+def _outcome_transaction(
+    kernel: Kernel,
+    d: Delivery,
+    outcome: ExecutionOutcome,
+    services: KernelStageServices,
+    worker_id: str | None,
+    stop: threading.Event | None,
+) -> Outcome:
+    """One try of transaction 3 (safe to run again: the fence makes a second commit of the
+    same outcome impossible). Raises :class:`_Discard` when the token no longer owns the job.
+    """
+    job = d.job
+    with transaction.atomic():
+        run = lock_run(d.run.pk)
+        if run is None or run.status != Status.RUNNING:
+            status = run.status if run is not None else "DELETED"
+            error = f"Workflow run {d.run.pk} was {status} after stage execution; {_GHOST_SUFFIX}"
+            if kernel.queue.fail(job.pk, error, attempt=job.attempt) is None:
+                raise _Discard()  # not ours any more either: a stale delivery
+            return Outcome("ghost", error=error)
+        now = kernel.clock.now()
+        result = _settle_job(kernel, job, outcome)
+        if result is None:
+            raise _Discard()
+        stage_result, events = write_outcome(
+            kernel, run, d.node, d.record, outcome, services, d.started_at, now
+        )
+        for warning in outcome.warnings:
+            write_log(now, "WARN", warning, run_id=run.pk, stage_pk=d.record.pk)
+        if stage_result.outcome == "failed":
+            write_log(
+                now,
+                "ERROR",
+                f"Stage {d.node.stage.id} failed: {stage_result.error}",
+                run_id=run.pk,
+                stage_pk=d.record.pk,
+            )
+        following: Delivery | None = None
+        if stage_result.outcome == "suspended" or result == Status.PENDING:
+            transaction.on_commit(kernel.transport.wake_ticker)
+        else:
+            stopping = stop is not None and stop.is_set()
+            reserve_for = None if stopping else worker_id
+            following = _transition(kernel, d, run, stage_result, events, now, reserve_for)
+        append_events(events, d.causation_id, now)
+        fault_point("outcome.before_commit")
     fault_point("outcome.after_commit")
     return Outcome(
         stage_result.outcome,
@@ -340,6 +520,50 @@ def commit_outcome(
         retrying=result == Status.PENDING,
         next=following,
     )
+
+
+_GHOST_SUFFIX = "the result was discarded (expected RUNNING)"
+
+
+def _adopt_continuation(kernel: Kernel, d: Delivery, worker_id: str) -> Delivery | None:
+    """The next stage that the lost-acknowledgement outcome leased to this worker, if any."""
+
+    def adopt() -> Delivery | None:
+        with transaction.atomic():
+            return _adopt_orphan(kernel, worker_id, run_id=d.run.pk)
+
+    return retry_on_disconnect(adopt, what="continuation after a lost acknowledgement")
+
+
+def _committed_before(d: Delivery, outcome: ExecutionOutcome) -> Outcome | None:
+    """After a retried outcome transaction found the job gone from its token: was it this
+    delivery's own earlier try that settled it (its COMMIT reached the database, the
+    acknowledgement did not)? Only then is the job still at this delivery's attempt, in the
+    status this outcome gives it, with the stage record showing this outcome. Two reads, on
+    this rare path only. The outcome's continuation (a next stage leased to this worker in
+    that commit), if any, is not resumed: its lease expires and it is delivered again.
+    """
+    job = WorkflowJob.objects.filter(pk=d.job.pk).values("status", "attempt", "last_error").first()
+    if job is None or job["attempt"] != d.job.attempt:
+        return None
+    if job["status"] == Status.FAILED and (job["last_error"] or "").endswith(_GHOST_SUFFIX):
+        return Outcome("ghost", error=job["last_error"])
+    record = WorkflowStage.objects.filter(pk=d.record.pk).values("status", "error_message").first()
+    if record is None:
+        return None
+    if outcome.error is not None:
+        mine = record["status"] == Status.FAILED and record["error_message"] == outcome.error
+        if mine and job["status"] in (Status.PENDING, Status.FAILED):
+            if job["last_error"] == outcome.error:
+                return Outcome(
+                    "failed", error=outcome.error, retrying=job["status"] == Status.PENDING
+                )
+        return None
+    if outcome.suspend is not None:
+        both = job["status"] == record["status"] == Status.SUSPENDED
+        return Outcome("suspended") if both else None
+    both = job["status"] == record["status"] == Status.COMPLETED
+    return Outcome("completed") if both else None
 
 
 def _settle_job(kernel: Kernel, job: WorkflowJob, outcome: ExecutionOutcome) -> str | None:
@@ -417,8 +641,17 @@ def deliver(
     worker_id: str | None,
     stop: threading.Event | None = None,
 ) -> Outcome:
-    """Steps 2 and 3 for one leased delivery; see :func:`commit_outcome`."""
+    """Steps 2 and 3 for one leased delivery; see :func:`commit_outcome`.
+
+    Raises:
+        django_q.exceptions.TimeoutException: django-q2's timeout stopped the stage; it is
+            re-raised after the failed outcome committed (the task must end: django-q2 kills
+            the worker process moments later).
+    """
     outcome, services = execute(kernel, delivery)
+    if outcome.stopped is not None:
+        commit_outcome(kernel, delivery, outcome, services, None, stop)
+        raise outcome.stopped
     return commit_outcome(kernel, delivery, outcome, services, worker_id, stop)
 
 
@@ -512,7 +745,8 @@ class Heartbeat:
 
 class _Beater:
     """The process's heartbeat thread: beats every registered :class:`Heartbeat` when due.
-    Beat errors are logged and ignored (H-2); the thread's connection is closed after one.
+    Beat errors are logged and ignored (H-2); the thread's connection is closed after one, so
+    a terminated connection is never used again (:mod:`.connections`).
     """
 
     def __init__(self) -> None:
@@ -552,10 +786,15 @@ class _Beater:
                 if id(b) not in self._beats:
                     continue  # its delivery ended meanwhile
                 try:
-                    b.beat()
+                    # A dead connection is discarded and the beat sent again at once on a new
+                    # one; if that fails too, the next beat tries again (a lease is several
+                    # beats long, so one lost beat does not lose it).
+                    retry_on_disconnect(
+                        b.beat, what=f"heartbeat of job {b.job_id}", window_seconds=0
+                    )
                 except Exception:
                     logger.exception("Heartbeat for job %s failed", b.job_id)
-                    connection.close()
+                    discard_connection()
 
 
 _beater = _Beater()

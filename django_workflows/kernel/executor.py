@@ -69,6 +69,9 @@ class ExecutionOutcome:
     progress: list[dict[str, Any]] = field(default_factory=list)
     annotations: list[AnnotationInput] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    #: The host's stop signal that ended the stage (django-q2's ``TimeoutException``): the
+    #: delivery commits ``error`` and then re-raises it (:func:`.delivery.deliver`).
+    stopped: BaseException | None = None
 
 
 class Executor(Protocol):

@@ -5,7 +5,8 @@
 * :func:`process_available_jobs` - lease and deliver ready jobs until none is left or a limit
   is reached (H-42); the path itself is :mod:`django_workflows.kernel.delivery`.
 * :func:`run_maintenance_tick` - claim pending runs, poll suspended stages, reap stale leases,
-  flush the outbox, reap stuck runs; each step in its own error boundary (H-10, H-11).
+  flush the outbox, reap stuck runs; each step in its own error boundary (H-10, H-11), retried
+  once on a new connection after a dead one (:mod:`.connections`).
 
 The django-q2 transport, the ``workflows_tick`` command and the test kit all call these.
 """
@@ -34,6 +35,7 @@ from .commands import (
     ReapStuckRuns,
     TransitionRun,
 )
+from .connections import retry_on_disconnect
 from .delivery import Heartbeat as Heartbeat
 from .dispatch import Kernel
 from .flusher import flush_outbox
@@ -230,14 +232,19 @@ def run_maintenance_tick(kernel: Kernel, worker_id: str) -> TickResult:
     out = TickResult()
     close_old_connections()
     ttl = maintenance_lease_seconds()
-    if not acquire_lease(kernel, TICK_LEASE, worker_id, ttl):
+    taken = retry_on_disconnect(
+        lambda: acquire_lease(kernel, TICK_LEASE, worker_id, ttl), what="maintenance lease"
+    )
+    if not taken:
         out.skipped = True
         return out
     try:
         with LeaseKeeper(kernel, TICK_LEASE, worker_id, ttl, lease_heartbeat_seconds(ttl)):
             _tick_steps(kernel, worker_id, out)
     finally:
-        release_lease(TICK_LEASE, worker_id)
+        retry_on_disconnect(
+            lambda: release_lease(TICK_LEASE, worker_id), what="maintenance lease release"
+        )
     return out
 
 
@@ -245,7 +252,9 @@ def _tick_steps(kernel: Kernel, worker_id: str, out: TickResult) -> None:
 
     def step(name: str, fn: Any) -> None:
         try:
-            fn()
+            # A dead connection is replaced and the step run once more (each step is its own
+            # transaction); the tick's other steps never inherit a dead connection.
+            retry_on_disconnect(fn, what=f"maintenance step {name}", window_seconds=0)
         except Exception:
             out.errors += 1
             logger.exception("Maintenance step %s failed", name)

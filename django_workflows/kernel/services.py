@@ -1,5 +1,6 @@
 """The database-facing services behind a stage context: logs, live progress, run-scoped storage
-and cooperative cancellation (WF-17, WF-19, Part I items 8, 14, 15).
+and cooperative cancellation (WF-17, WF-19, Part I items 8, 14, 15). Each write or read is
+retried on a new connection when the database connection died (:mod:`.connections`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 from ..blobs import BlobNotFoundError, stage_prefix, storage_key
 from ..models import Status, WorkflowRun, WorkflowStage
 from ..ports import BlobStore, Clock
+from .connections import retry_on_disconnect
 from .jsonvalue import storable_text
 from .store import write_log
 
@@ -63,23 +65,30 @@ class RunScopedStorage:
 
     def save(self, key: str, data: Any) -> None:
         """Store a JSON value (replaces an earlier value)."""
-        self._blobs.put(self._key(key), data, run_id=self._run_id, stage_id=self._stage_id)
+        blob_key = self._key(key)
+        retry_on_disconnect(
+            lambda: self._blobs.put(blob_key, data, run_id=self._run_id, stage_id=self._stage_id),
+            what="ctx.storage.save",
+        )
 
     def load(self, key: str) -> Any:
         """The stored value. Raises :class:`StorageKeyNotFoundError` when absent."""
         try:
-            return self._blobs.get(self._key(key))
+            blob_key = self._key(key)
+            return retry_on_disconnect(lambda: self._blobs.get(blob_key), what="ctx.storage.load")
         except BlobNotFoundError:
             raise StorageKeyNotFoundError(
                 f"Storage key {key!r} not found in run {self._run_id}"
             ) from None
 
     def exists(self, key: str) -> bool:
-        return self._blobs.has(self._key(key))
+        blob_key = self._key(key)
+        return retry_on_disconnect(lambda: self._blobs.has(blob_key), what="ctx.storage.exists")
 
     def delete(self, key: str) -> None:
         """Remove a value; no error when absent."""
-        self._blobs.delete(self._key(key))
+        blob_key = self._key(key)
+        retry_on_disconnect(lambda: self._blobs.delete(blob_key), what="ctx.storage.delete")
 
     def stage_key(self, stage_id: str, suffix: str | None = None) -> str:
         """The blob key of a stage's file (DM-53): ``.../{stage_id}/{suffix or output.json}``."""
@@ -125,13 +134,12 @@ class KernelStageServices:
         lvl = _LEVELS.get(level.upper())
         if lvl is None:
             raise ValueError(f"log level must be one of DEBUG, INFO, WARN, ERROR; got {level!r}")
-        write_log(
-            self.clock.now(),
-            lvl,
-            message,
-            run_id=self.run_id,
-            stage_pk=self.stage_pk,
-            metadata=meta,
+        now = self.clock.now()
+        retry_on_disconnect(
+            lambda: write_log(
+                now, lvl, message, run_id=self.run_id, stage_pk=self.stage_pk, metadata=meta
+            ),
+            what="ctx.log",
         )
 
     def progress(self, progress: float, message: str, details: dict[str, Any] | None) -> None:
@@ -142,10 +150,16 @@ class KernelStageServices:
         self._last_progress = mono
         self.pending_progress = None
         if self.stage_pk is not None:
-            WorkflowStage.objects.filter(pk=self.stage_pk, status=Status.RUNNING).update(
-                progress=progress,
-                progress_message=storable_text(message[:2000]),
-                updated_at=self.clock.now(),
+            fields = {
+                "progress": progress,
+                "progress_message": storable_text(message[:2000]),
+                "updated_at": self.clock.now(),
+            }
+            retry_on_disconnect(
+                lambda: WorkflowStage.objects.filter(
+                    pk=self.stage_pk, status=Status.RUNNING
+                ).update(**fields),
+                what="ctx.progress",
             )
 
     def is_cancelled(self) -> bool:
@@ -156,8 +170,13 @@ class KernelStageServices:
         mono = time.monotonic()
         if mono - self._last_cancel_check >= self._cancel_interval:
             self._last_cancel_check = mono
-            status = (
-                WorkflowRun.objects.filter(pk=self.run_id).values_list("status", flat=True).first()
+            status = retry_on_disconnect(
+                lambda: (
+                    WorkflowRun.objects.filter(pk=self.run_id)
+                    .values_list("status", flat=True)
+                    .first()
+                ),
+                what="ctx.is_cancelled",
             )
             self._cancelled = status != Status.RUNNING
         return self._cancelled

@@ -20,6 +20,11 @@ never interleave), so a test can count how often each stage really ran, and wher
   ``CRASH_EXIT_IN_STAGE=<stage id>`` the first execution of that stage (the first process to
   create ``CRASH_EXIT_ONCE_FILE``) ends its worker process with ``os._exit(70)`` inside the
   body.
+* ``conn-pipeline``: one -> two; each stage records its execution and sleeps
+  ``CONN_STAGE_SECONDS`` without touching the database (``"5"``: 5 s; ``"1-3"``: a random
+  1-3 s per stage) - the connection resilience tests kill the workers' connections meanwhile.
+  ``sleepy``: one stage that sleeps ``CONN_STAGE_SECONDS`` on its first delivery only (the
+  django-q2 timeout test).
 """
 
 from __future__ import annotations
@@ -198,5 +203,56 @@ fault_pipeline = register(
     .pipe(fault_a)
     .parallel([fault_b, fault_c])
     .pipe(fault_d)
+    .build()
+)
+
+
+# --- conn-pipeline and sleepy ----------------------------------------------------------
+
+
+def _idle(ctx: StageContext[Any, Any], stage_id: str) -> None:
+    """Sleep like an I/O-bound stage (no database use) for ``CONN_STAGE_SECONDS``."""
+    import random
+
+    record_execution(ctx.workflow_run_id, stage_id)
+    spec = os.environ.get("CONN_STAGE_SECONDS", "1")
+    low, _, high = spec.partition("-")
+    time.sleep(random.uniform(float(low), float(high)) if high else float(low))
+
+
+@stage(id="one", input=FaultInput, output=Trail)
+def conn_one(ctx: StageContext[FaultInput, Any]) -> Trail:
+    _idle(ctx, "one")
+    return Trail(n=ctx.input.n, path=["one"])
+
+
+@stage(id="two", input=Trail, output=Trail)
+def conn_two(ctx: StageContext[Trail, Any]) -> Trail:
+    _idle(ctx, "two")
+    return Trail(n=ctx.input.n, path=[*ctx.input.path, "two"])
+
+
+conn_pipeline = register(
+    define_workflow(id="conn-pipeline", name="Faults: one -> two (idle)", input=FaultInput)
+    .pipe(conn_one)
+    .pipe(conn_two)
+    .build()
+)
+
+
+@stage(id="sleepy", input=FaultInput, output=Trail)
+def sleepy(ctx: StageContext[FaultInput, Any]) -> Trail:
+    count = enter(ctx.workflow_run_id, "sleepy")
+    record_execution(ctx.workflow_run_id, "sleepy", count)
+    if count == 1:
+        time.sleep(float(os.environ.get("CONN_STAGE_SECONDS", "1")))
+    return Trail(n=count, path=["sleepy"])
+
+
+sleepy_pipeline = register(
+    define_workflow(
+        id="sleepy-pipeline", name="Faults: past the django-q2 timeout", input=FaultInput
+    )
+    .pipe(sleepy)
     .build()
 )
