@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 
 from tests.acceptance.harness import (
+    assert_executed_once,
     assert_outbox_gap_free,
     assert_outcomes_once,
     assert_runs_completed,
@@ -109,7 +110,7 @@ def check_runs(
 ) -> None:
     """The checks of every scenario: every run and stage COMPLETED, one outcome per stage,
     gap-free published outboxes, no stage started by a stopping cluster; with
-    ``no_redelivery`` also no job delivered twice."""
+    ``no_redelivery`` also no job delivered twice and no stage body executed twice."""
     context = sc.host_logs()
     assert_runs_completed(runs, context)
     assert_outcomes_once(runs, context)
@@ -125,6 +126,8 @@ def check_runs(
         assert not again, (
             f"jobs delivered more than once (a connection loss cost a delivery): {again}"
         )
+        # ... and no stage body ran twice under one delivery attempt either.
+        assert_executed_once(sc.crash_dir, runs, context)
 
 
 def burst(sc: Scenario, count: int) -> list[str]:
