@@ -297,13 +297,42 @@ def begin(
     )
 
 
+class _ExecutedTokens:
+    """The delivery tokens (job id, attempt) whose stage body this process started, the most
+    recent :data:`_EXECUTED_KEPT` of them: :func:`_adopt_orphan` never takes one of them back.
+    """
+
+    def __init__(self, kept: int) -> None:
+        self._kept = kept
+        self._tokens: dict[tuple[int, int], None] = {}
+        self._lock = threading.Lock()
+
+    def note(self, job_id: int, attempt: int) -> None:
+        with self._lock:
+            self._tokens[(job_id, attempt)] = None
+            while len(self._tokens) > self._kept:
+                self._tokens.pop(next(iter(self._tokens)))
+
+    def seen(self, job_id: int, attempt: int) -> bool:
+        with self._lock:
+            return (job_id, attempt) in self._tokens
+
+
+_EXECUTED_KEPT = 4096
+_executed = _ExecutedTokens(_EXECUTED_KEPT)
+#: Jobs leased to this worker that one take-back looks at (normally there is one at most).
+_ADOPT_SCAN = 8
+
+
 def _adopt_orphan(
     kernel: Kernel, worker_id: str, *, run_id: Any = None, resumable: bool = True
 ) -> Delivery | None:
     """In the caller's transaction, take back a job leased to ``worker_id`` by a commit whose
     acknowledgement was lost (the worker saw a dead connection, the database had committed):
-    RUNNING, this worker's, its stage record RUNNING, executed by nobody (a worker process
-    runs one delivery at a time, so none of its deliveries holds it). Its lease is refreshed
+    RUNNING, this worker's, its stage record RUNNING, executed by nobody (a worker id names
+    one process, which runs one delivery at a time, so none of its deliveries holds it; and
+    a job whose body this process already started is never taken back, see
+    :class:`_ExecutedTokens`). Its lease is refreshed
     and it is delivered with its own attempt - so the lost acknowledgement costs no delivery.
 
     Only called on the retry after a connection error (never on the happy path).
@@ -316,7 +345,13 @@ def _adopt_orphan(
     )
     if run_id is not None:
         jobs = jobs.filter(workflow_run_id=run_id)
-    job = jobs.order_by("id").first()
+    # Never a job this process has already started executing at that attempt: whatever left
+    # it RUNNING, running its body again under the same attempt would be a second delivery
+    # that nothing counts (it is left to lease expiry and re-delivered with a new attempt).
+    job = next(
+        (j for j in jobs.order_by("id")[:_ADOPT_SCAN] if not _executed.seen(j.pk, j.attempt)),
+        None,
+    )
     if job is None:
         return None
     workflow = kernel.registry.get(job.workflow_id)
@@ -370,6 +405,7 @@ def execute(kernel: Kernel, delivery: Delivery) -> tuple[ExecutionOutcome, Kerne
     in ``outcome.stopped`` so :func:`deliver` re-raises it once the outcome committed.
     """
     d = delivery
+    _executed.note(d.job.pk, d.job.attempt)
     services = KernelStageServices(
         clock=kernel.clock,
         blobs=kernel.blobs,

@@ -91,14 +91,23 @@ class Cluster:
     ``stop()`` sends SIGTERM to the main process only (a SIGTERM to the whole group hangs
     qcluster); ``kill()`` sends SIGKILL to the whole group: the main process, its workers, the
     monitor and the pusher die at once, like a machine losing power.
+
+    ``prefix`` is put before ``python manage.py``: a command that execs it, such as
+    ``("ip", "netns", "exec", "ns1")`` (the multi-host tests), so the process started is still
+    the cluster's main process and the leader of its group.
     """
 
     def __init__(
-        self, env: dict[str, str], log_path: Path, command: tuple[str, ...] = ("qcluster",)
+        self,
+        env: dict[str, str],
+        log_path: Path,
+        command: tuple[str, ...] = ("qcluster",),
+        prefix: tuple[str, ...] = (),
     ) -> None:
         self.env = env
         self.log_path = log_path
         self.command = command
+        self.prefix = prefix
         self._log: IO[str] | None = None
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -107,7 +116,7 @@ class Cluster:
         self._log.write(f"--- {' '.join(self.command)} start {time.strftime('%H:%M:%S')} ---\n")
         self._log.flush()
         self.proc = subprocess.Popen(
-            [sys.executable, "manage.py", *self.command],
+            [*self.prefix, sys.executable, "manage.py", *self.command],
             cwd=ROOT,
             env=self.env,
             stdout=self._log,

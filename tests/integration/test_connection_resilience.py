@@ -414,3 +414,36 @@ def test_a_stage_stopped_by_django_q2s_timeout_fails_with_a_message_naming_it(
     assert len(failed) == 1 and "django-q2's timeout" in failed[0].payload["error"]
     assert not WorkflowJob.objects.filter(workflow_run_id=run_id, stage_id="s2").exists()
     assert WorkflowRun.objects.get(pk=run_id).status == Status.RUNNING
+
+
+def test_a_job_this_process_already_executed_is_never_taken_back(
+    kernel_for: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The take-back after a lost acknowledgement (``_adopt_orphan``) must never run a stage
+    body a second time under the same attempt: a job whose body this process started - and
+    that something left RUNNING - waits for lease expiry and a new, counted delivery."""
+    from django_workflows.kernel import delivery
+
+    bodies = {"n": 0}
+    stage = _hook_stage("s1", lambda ctx: bodies.__setitem__("n", bodies["n"] + 1))
+    kernel = kernel_for(define_workflow(id="no-retake", input=Num).pipe(stage).build())
+    run_id = _start(kernel, "no-retake")
+
+    def crash() -> None:
+        raise RuntimeError("the worker died between execution and outcome")
+
+    faults.inject("stage.executing", crash)
+    with pytest.raises(RuntimeError):
+        process_available_jobs(kernel, "w", max_jobs=1)
+    faults.inject("stage.executing", None)
+    assert bodies["n"] == 1
+    job = WorkflowJob.objects.get(workflow_run_id=run_id)
+    assert (job.status, job.worker_id, job.attempt) == (Status.RUNNING, "w", 1)
+    with transaction.atomic():
+        assert delivery._adopt_orphan(kernel, "w") is None
+    # The same job leased by a commit whose acknowledgement this process never saw (its body
+    # not started here) is taken back: the guard is what kept it from being run again.
+    monkeypatch.setattr(delivery, "_executed", delivery._ExecutedTokens(16))
+    with transaction.atomic():
+        orphan = delivery._adopt_orphan(kernel, "w")
+    assert orphan is not None and (orphan.job.pk, orphan.job.attempt) == (job.pk, 1)

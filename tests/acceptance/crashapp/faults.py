@@ -1,8 +1,10 @@
 """Workflows of the fault tests (paused worker, clock skew, crash at a commit boundary).
 
-Every execution of a stage body appends one JSON line ``{"pid", "run", "stage", "entry"}`` to
-``{CRASH_DIR}/executions.jsonl`` (one ``O_APPEND`` write, so concurrent writers never
-interleave), so a test can count how often each stage really ran.
+Every execution of a stage body appends one JSON line ``{"pid", "pgid", "t", "run", "stage",
+"entry"}`` to ``{CRASH_DIR}/executions.jsonl`` (one ``O_APPEND`` write, so concurrent writers
+never interleave), so a test can count how often each stage really ran, and where and when:
+``pgid`` is the process group (the cluster's main pid), ``t`` the wall-clock start
+(``time.time()``).
 
 * ``pause-pipeline``: first -> slow -> reader -> gate.
   ``slow`` on its first delivery writes ``{run}.slow.blocked`` (its pid) and waits for
@@ -46,7 +48,14 @@ from .workflows import crash_dir, enter
 def record_execution(run_id: str, stage_id: str, entry: int = 0) -> None:
     """Append one line for this execution of ``stage_id`` to ``executions.jsonl``."""
     line = json.dumps(
-        {"pid": os.getpid(), "run": run_id, "stage": stage_id, "entry": entry, "at": time.time()}
+        {
+            "pid": os.getpid(),
+            "pgid": os.getpgid(0),
+            "at": time.time(),
+            "run": run_id,
+            "stage": stage_id,
+            "entry": entry,
+        }
     )
     fd = os.open(crash_dir() / "executions.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:

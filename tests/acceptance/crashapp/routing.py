@@ -1,7 +1,7 @@
 """The routing test's workflow (issue 8 item 5, scenario (h)).
 
 * ``routed-pipeline``: ``prep`` (default queue) -> ``embed`` (queue ``gpu``) -> ``report``
-  (default queue). Every execution appends ``{"pid", "run", "stage", "cluster"}`` to
+  (default queue). Every execution appends ``{"pid", "pgid", "at", "run", "stage", "cluster"}`` to
   ``{CRASH_DIR}/executions.jsonl`` (``cluster``: the executing process's django-q2 cluster), so
   the test can tell which cluster ran each stage and how often.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -24,7 +25,16 @@ def record(run_id: str, stage_id: str) -> str:
     from django_q.conf import Conf
 
     cluster = str(Conf.CLUSTER_NAME)
-    line = json.dumps({"pid": os.getpid(), "run": run_id, "stage": stage_id, "cluster": cluster})
+    line = json.dumps(
+        {
+            "pid": os.getpid(),
+            "pgid": os.getpgid(0),
+            "at": time.time(),
+            "run": run_id,
+            "stage": stage_id,
+            "cluster": cluster,
+        }
+    )
     fd = os.open(crash_dir() / "executions.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         os.write(fd, (line + "\n").encode())
