@@ -278,25 +278,15 @@ def waiting_reasons(
             )
         elif job is not None and job.status == Status.PENDING:
             ahead = queued_ahead(job) if count_queue else None
-            if job.attempt > 0 and job.next_poll_at is not None and job.next_poll_at > now:
+            if job.attempt > 0:
+                backing_off = job.next_poll_at is not None and job.next_poll_at > now
                 out.append(
                     WaitingReason(
                         "retry",
                         stage.stage_id,
                         at=job.next_poll_at,
-                        message=f"delivery {job.attempt + 1} of {job.max_attempts} after back-off",
-                        queued_ahead=ahead,
-                        attempt=job.attempt,
-                        max_attempts=job.max_attempts,
-                    )
-                )
-            elif job.attempt > 0:
-                out.append(
-                    WaitingReason(
-                        "retry",
-                        stage.stage_id,
-                        at=job.next_poll_at,
-                        message=f"delivery {job.attempt + 1} of {job.max_attempts} is due",
+                        message=f"delivery {job.attempt + 1} of {job.max_attempts} "
+                        + ("after back-off" if backing_off else "is due"),
                         queued_ahead=ahead,
                         attempt=job.attempt,
                         max_attempts=job.max_attempts,

@@ -45,8 +45,9 @@ from django_workflows import StageContext, define_workflow, register, stage
 from .workflows import crash_dir, enter
 
 
-def record_execution(run_id: str, stage_id: str, entry: int = 0) -> None:
-    """Append one line for this execution of ``stage_id`` to ``executions.jsonl``."""
+def record_execution(run_id: str, stage_id: str, entry: int = 0, **extra: Any) -> None:
+    """Append one line for this execution of ``stage_id`` to ``executions.jsonl``: pid,
+    process group, time, run, stage, entry and ``extra`` members."""
     line = json.dumps(
         {
             "pid": os.getpid(),
@@ -55,6 +56,7 @@ def record_execution(run_id: str, stage_id: str, entry: int = 0) -> None:
             "run": run_id,
             "stage": stage_id,
             "entry": entry,
+            **extra,
         }
     )
     fd = os.open(crash_dir() / "executions.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)

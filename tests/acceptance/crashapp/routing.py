@@ -8,38 +8,21 @@
 
 from __future__ import annotations
 
-import json
-import os
-import time
 from typing import Any
 
 from pydantic import BaseModel, Field
 
 from django_workflows import StageContext, define_workflow, register, stage
 
-from .workflows import crash_dir
+from .faults import record_execution
 
 
 def record(run_id: str, stage_id: str) -> str:
-    """Append this execution (with the process's cluster name) to ``executions.jsonl``."""
+    """Record this execution with the process's django-q2 cluster name; returns the name."""
     from django_q.conf import Conf
 
     cluster = str(Conf.CLUSTER_NAME)
-    line = json.dumps(
-        {
-            "pid": os.getpid(),
-            "pgid": os.getpgid(0),
-            "at": time.time(),
-            "run": run_id,
-            "stage": stage_id,
-            "cluster": cluster,
-        }
-    )
-    fd = os.open(crash_dir() / "executions.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
+    record_execution(run_id, stage_id, cluster=cluster)
     return cluster
 
 
