@@ -25,6 +25,19 @@ def _no_flusher_left_behind() -> Any:
 
 
 @pytest.fixture(autouse=True)
+def _no_supervisor_left_behind() -> Any:
+    """A test that ran the django-q2 ``work`` task in process started this process's
+    supervisor thread: end it (without touching the database), so its ticker and presence
+    duties cannot act during later tests."""
+    yield
+    from django_workflows.transport import django_q
+
+    supervisor = django_q.current_supervisor()
+    if supervisor is not None:
+        supervisor.halt(stop_duties=False)
+
+
+@pytest.fixture(autouse=True)
 def _test_settings(settings: Any) -> None:
     settings.DJANGO_WORKFLOWS = {
         "TRANSPORT": "django_workflows.transport.inline.NullTransport",

@@ -31,10 +31,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from django.db import close_old_connections, connection
-from django.db.models import Exists
+from django.db.models import Exists, OuterRef, QuerySet
 
 from ..conf import workflow_settings
-from ..models import MaintenanceLease, Status, WorkflowRun
+from ..models import MaintenanceLease, OutboxEvent, Status, WorkflowRun
 from . import leases
 from .connections import retry_on_disconnect
 from .delivery import in_flight
@@ -84,19 +84,49 @@ class Duty(Protocol):
 
 
 def ticker_needed(lease_clock: leases.LeaseClock) -> bool:
-    """Whether a run is PENDING or RUNNING while nobody holds an unexpired ``ticker`` lease
-    (one query; expiry judged in lease time, the database's clock).
+    """Whether there is maintenance to do - a run PENDING or RUNNING, or an outbox event
+    waiting to be published - while nobody holds an unexpired ``ticker`` lease (expiry judged
+    in lease time, the database's clock). One query (``SELECT (EXISTS .. OR EXISTS ..) AND
+    NOT EXISTS ..``).
+
+    The outbox counts: a process that committed a run's last events and stopped (SIGTERM)
+    before its flusher published them leaves work that no run shows.
     """
     held = MaintenanceLease.objects.filter(name=TICKER_LEASE, expires_at__gt=lease_clock.now())
-    return (
-        WorkflowRun.objects.filter(status__in=[Status.PENDING, Status.RUNNING])
-        .filter(~Exists(held))
-        .exists()
+    parts = [_exists(_live_runs()), _exists(_outbox_backlog()), _exists(held)]
+    sql = f"SELECT ({parts[0][0]} OR {parts[1][0]}) AND NOT {parts[2][0]}"
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [p for _, params in parts for p in params])
+        return bool(cursor.fetchone()[0])
+
+
+def _exists(queryset: QuerySet[Any]) -> tuple[str, tuple[Any, ...]]:
+    sql, params = queryset.values("pk")[:1].query.sql_with_params()
+    return f"EXISTS ({sql})", tuple(params)
+
+
+def _live_runs() -> QuerySet[WorkflowRun]:
+    return WorkflowRun.objects.filter(status__in=[Status.PENDING, Status.RUNNING])
+
+
+def _outbox_backlog() -> QuerySet[OutboxEvent]:
+    """Events waiting to be published: unpublished, not dead letters, and not held back behind
+    a dead letter of their run (strict per-run order; those wait for an operator, not for the
+    ticker). Served by the partial ``wf_outbox_unpublished_idx``.
+    """
+    dead = OutboxEvent.objects.filter(
+        workflow_run_id=OuterRef("workflow_run_id"),
+        dlq_at__isnull=False,
+        published_at__isnull=True,
+    )
+    return OutboxEvent.objects.filter(published_at__isnull=True, dlq_at__isnull=True).filter(
+        ~Exists(dead)
     )
 
 
-def _has_live_runs() -> bool:
-    return WorkflowRun.objects.filter(status__in=[Status.PENDING, Status.RUNNING]).exists()
+def _has_live_work() -> bool:
+    """A live run or an outbox backlog (:func:`_outbox_backlog`)."""
+    return _live_runs().exists() or _outbox_backlog().exists()
 
 
 class TickerDuty:
@@ -167,7 +197,7 @@ class TickerDuty:
             if now >= self._next_tick:
                 from .hosting import run_maintenance_tick
 
-                live = _has_live_runs()  # read before the tick: its flush covers the last run
+                live = _has_live_work()  # read before the tick: its flush covers the last run
                 tick = run_maintenance_tick(kernel, self.owner)
                 self.ticks += 1
                 self._next_tick = now + float(workflow_settings.TICK_INTERVAL_SECONDS)
@@ -386,10 +416,12 @@ class Supervisor:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def halt(self) -> None:
-        """End the thread (tests); duties are stopped first."""
-        for duty in list(self.duties):
-            duty.stop()
+    def halt(self, *, stop_duties: bool = True) -> None:
+        """End the thread (tests); duties are stopped first unless ``stop_duties`` is false
+        (then nothing touches the database: a test kit tearing down after its database)."""
+        if stop_duties:
+            for duty in list(self.duties):
+                duty.stop()
         self._halt.set()
         self._wake.set()
         if self._thread is not None:

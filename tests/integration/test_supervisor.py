@@ -322,9 +322,10 @@ def test_the_ticker_keeps_its_lease_until_the_last_runs_events_were_flushed(
         assert duty.holding
     assert OutboxEvent.objects.filter(published_at=None).exists()
     clock.advance(31)
-    duty.run(3.0)
-    assert not duty.holding and _holder() is None
+    duty.run(3.0)  # the dead process's flush lease expired: this tick publishes the events
     assert not OutboxEvent.objects.filter(published_at=None).exists()
+    duty.run(4.0)  # a tick that began with nothing left lets the ticker go
+    assert not duty.holding and _holder() is None
 
 
 class _Flaky:
@@ -445,3 +446,31 @@ def test_with_supervisor_ticks_off_a_worker_process_never_ticks(
     with CaptureQueriesContext(connection) as queries:
         duty.run(0.0)
     assert (len(queries), duty.holding, _holder()) == (0, False, None)
+
+
+def test_an_outbox_backlog_without_live_runs_still_needs_a_ticker(
+    kernel_for: Callable[..., Kernel], clock: FakeClock
+) -> None:
+    """A process that committed a run's last events and stopped before its flusher published
+    them leaves no live run: the backlog alone makes a supervisor take the ticker and flush
+    it; events held back behind a dead letter of their run do not (they wait for an
+    operator)."""
+    from django_workflows.kernel import CancelRun
+    from django_workflows.kernel.supervisor import ticker_needed
+
+    kernel = kernel_for(two_stage())
+    run_id = _live_run(kernel)
+    kernel.dispatch(CancelRun(run_id, reason="done"))
+    assert not WorkflowRun.objects.filter(status__in=[Status.PENDING, Status.RUNNING]).exists()
+    assert OutboxEvent.objects.filter(published_at=None).exists()
+    assert ticker_needed(kernel.lease_clock)
+    first = OutboxEvent.objects.filter(workflow_run_id=run_id).order_by("sequence").first()
+    OutboxEvent.objects.filter(pk=first.pk).update(dlq_at=clock.now())
+    assert not ticker_needed(kernel.lease_clock)  # blocked behind its run's dead letter
+    OutboxEvent.objects.filter(pk=first.pk).update(dlq_at=None)
+    duty = _duty(kernel, "t")
+    duty.run(0.0)
+    assert duty.holding
+    assert not OutboxEvent.objects.filter(published_at=None).exists()
+    duty.run(1.0)
+    assert not duty.holding and not ticker_needed(kernel.lease_clock)
