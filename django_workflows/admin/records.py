@@ -54,6 +54,34 @@ def _uuid(text: str) -> uuid.UUID | None:
         return None
 
 
+class ExactSearch:
+    """Admin search by exact values only - index lookups, never ``LIKE '%...%'``: a term
+    matches a row whose ``exact_search_fields`` equal it, whose id equals it (``search_by_id``;
+    ASCII digits only: ``"²".isdigit()`` is true but not an int, so it is searched as text),
+    or whose ``run_id_field`` is the full run id it spells.
+    """
+
+    exact_search_fields: tuple[str, ...] = ()
+    search_by_id = False
+    run_id_field = "workflow_run_id"
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
+    ) -> tuple[QuerySet[Any], bool]:
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        match = Q()
+        for field in self.exact_search_fields:
+            match |= Q(**{field: term})
+        if self.search_by_id and term.isascii() and term.isdigit() and len(term) < 19:
+            match |= Q(pk=int(term))
+        run_id = _uuid(term)
+        if run_id is not None:
+            match |= Q(**{self.run_id_field: run_id})
+        return queryset.filter(match), False
+
+
 # --- jobs -------------------------------------------------------------------------------------
 
 
@@ -71,7 +99,7 @@ class JobStatusFilter(StatusFilter):
 
 
 @admin.register(WorkflowJob)
-class WorkflowJobAdmin(ReadOnlyAdmin):
+class WorkflowJobAdmin(ExactSearch, ReadOnlyAdmin):
     """Queued units of work: one per stage execution, with lease and delivery count."""
 
     list_display = (
@@ -108,22 +136,9 @@ class WorkflowJobAdmin(ReadOnlyAdmin):
     )
     readonly_fields = fields
 
-    def get_search_results(
-        self, request: HttpRequest, queryset: QuerySet[WorkflowJob], search_term: str
-    ) -> tuple[QuerySet[WorkflowJob], bool]:
-        """A job id (ASCII digits), a full run id, or an exact workflow / stage / worker id -
-        index lookups, never ``LIKE '%...%'`` (``"²".isdigit()`` is true but not an int: it is
-        searched as text)."""
-        term = search_term.strip()
-        if not term:
-            return queryset, False
-        match = Q(workflow_id=term) | Q(stage_id=term) | Q(worker_id=term)
-        if term.isascii() and term.isdigit() and len(term) < 19:
-            match |= Q(pk=int(term))
-        run_id = _uuid(term)
-        if run_id is not None:
-            match |= Q(workflow_run_id=run_id)
-        return queryset.filter(match), False
+    # A job id, a full run id, or an exact workflow / stage / worker id.
+    exact_search_fields = ("workflow_id", "stage_id", "worker_id")
+    search_by_id = True
 
     @admin.display(description="run", ordering="workflow_run_id")
     def run(self, obj: WorkflowJob) -> SafeString | str:
@@ -206,7 +221,7 @@ class DeliveryFilter(admin.SimpleListFilter):
 
 
 @admin.register(OutboxEvent)
-class OutboxEventAdmin(ReadOnlyAdmin):
+class OutboxEventAdmin(ExactSearch, ReadOnlyAdmin):
     """Events in per-run order with their delivery state (SPEC §5.2, Part I item 16)."""
 
     list_display = (
@@ -270,20 +285,9 @@ class OutboxEventAdmin(ReadOnlyAdmin):
         }
         return super().changelist_view(request, extra_context=context)
 
-    def get_search_results(
-        self, request: HttpRequest, queryset: QuerySet[OutboxEvent], search_term: str
-    ) -> tuple[QuerySet[OutboxEvent], bool]:
-        """A full run id, an event id, or an exact event type / causation id."""
-        term = search_term.strip()
-        if not term:
-            return queryset, False
-        match = Q(event_type=term) | Q(causation_id=term)
-        if term.isascii() and term.isdigit() and len(term) < 19:
-            match |= Q(pk=int(term))
-        run_id = _uuid(term)
-        if run_id is not None:
-            match |= Q(workflow_run_id=run_id)
-        return queryset.filter(match), False
+    # A full run id, an event id, or an exact event type / causation id.
+    exact_search_fields = ("event_type", "causation_id")
+    search_by_id = True
 
     def has_replay_permission(self, request: HttpRequest) -> bool:
         """``replay_outboxevent`` (and view)."""
@@ -625,7 +629,7 @@ class WorkflowLogAdmin(ReadOnlyAdmin):
 
 
 @admin.register(WorkflowAnnotation)
-class WorkflowAnnotationAdmin(ReadOnlyAdmin):
+class WorkflowAnnotationAdmin(ExactSearch, ReadOnlyAdmin):
     """Typed facts about runs and stages (SPEC §6)."""
 
     list_display = (
@@ -658,18 +662,9 @@ class WorkflowAnnotationAdmin(ReadOnlyAdmin):
     )
     readonly_fields = fields
 
-    def get_search_results(
-        self, request: HttpRequest, queryset: QuerySet[WorkflowAnnotation], search_term: str
-    ) -> tuple[QuerySet[WorkflowAnnotation], bool]:
-        """Exact key, actor id, scope id or idempotency key, or a full run id."""
-        term = search_term.strip()
-        if not term:
-            return queryset, False
-        match = Q(key=term) | Q(actor_id=term) | Q(idempotency_key=term) | Q(scope_id=term)
-        run_id = _uuid(term)
-        if run_id is not None:
-            match |= Q(run_id=run_id)
-        return queryset.filter(match), False
+    # An exact key, actor id, scope id or idempotency key, or a full run id.
+    exact_search_fields = ("key", "actor_id", "idempotency_key", "scope_id")
+    run_id_field = "run_id"
 
     @admin.display(description="value")
     def short_value(self, obj: WorkflowAnnotation) -> str:
