@@ -135,12 +135,8 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("run_id", help="the run's id (a UUID)")
         parser.add_argument("--json", action="store_true", help="print a JSON document")
-        parser.add_argument(
-            "--traceback",
-            action="store_true",
-            dest="show_traceback",
-            help="also print the failed stage's traceback",
-        )
+        # --traceback is Django's own option (full stack traces of command errors); here it
+        # also prints the failed stage's stored traceback.
 
     def handle(self, *args: Any, **opts: Any) -> None:
         run = get_run(opts["run_id"])
@@ -152,7 +148,7 @@ class Command(BaseCommand):
             document = run_document(run, stages, jobs)
             self.stdout.write(json.dumps(document, cls=DjangoJSONEncoder, indent=2))
             return
-        self._write_text(run, stages, jobs, opts["show_traceback"])
+        self._write_text(run, stages, jobs, bool(opts.get("traceback")))
 
     def _write_text(
         self,
