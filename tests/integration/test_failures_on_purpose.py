@@ -263,3 +263,15 @@ def test_api_run_detail_has_error_detail(kernel_for: Any, admin_user: Any) -> No
         "attempt": 0,
         "delivery": 1,
     }
+
+
+def test_example_project_a_prefix_matching_nothing_is_a_final_failure(kernel_for: Any) -> None:
+    from example_project.docpipeline.workflows import package_report
+
+    kernel = kernel_for(package_report)
+    prefix = "no-such-distribution-zz"
+    run_id = kernel.dispatch(CreateRun("package-report", {"name_prefix": prefix})).workflow_run_id
+    run = run_to_completion(kernel, run_id)
+    assert run.status == Status.FAILED
+    assert run.error["error_type"] == "NothingToReport" and prefix in run.error["message"]
+    assert _job(str(run_id)).attempt == 1  # not retried
