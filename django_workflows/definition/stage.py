@@ -453,14 +453,13 @@ def infer_stage_types(
         hint = evaluate(execute, parameter, params[0].annotation, {"input", "config"})
         if typing.get_origin(hint) is StageContext:
             args = typing.get_args(hint)
+            at = f"parameter {parameter!r} of {where}"
             found["input"] = (
-                _declared(stage_id, args[0], "input", where, strict="input" in need)
-                if args
-                else None
+                _declared(stage_id, args[0], "input", at, strict="input" in need) if args else None
             )
             if len(args) > 1:
                 found["config"] = _declared(
-                    stage_id, args[1], "config", where, strict="config" in need
+                    stage_id, args[1], "config", at, strict="config" in need
                 )
     if check_completion is not None:
         annotation = getattr(check_completion, "__annotations__", {}).get("return")
