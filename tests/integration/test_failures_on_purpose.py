@@ -275,3 +275,67 @@ def test_example_project_a_prefix_matching_nothing_is_a_final_failure(kernel_for
     assert run.status == Status.FAILED
     assert run.error["error_type"] == "NothingToReport" and prefix in run.error["message"]
     assert _job(str(run_id)).attempt == 1  # not retried
+
+
+# --- run.error of failures outside a sync stage body -----------------------------------------
+
+
+class Batch(BaseModel):
+    done: bool
+
+
+def _batch_workflow(check: Any) -> Any:
+    from django_workflows import Suspend, define_async_batch_stage
+
+    def submit(ctx: StageContext[Order]) -> Suspend:
+        return Suspend(state={"batch_id": "b-1"}, poll_interval_seconds=1)
+
+    return (
+        define_workflow(id="batch", input=Order)
+        .pipe(define_async_batch_stage(id="batch", execute=submit, check_completion=check))
+        .build()
+    )
+
+
+@pytest.mark.parametrize(
+    ("raised", "error_type", "message"),
+    [
+        (None, "BatchFailed", "supplier rejected the batch"),
+        (StageFailed("batch had a duplicate", error_type="DuplicateSku"), "DuplicateSku", None),
+        (KeyError("items"), "KeyError", "KeyError: 'items'"),
+    ],
+)
+def test_an_async_batch_failure_records_run_error(
+    kernel_for: Any, raised: Exception | None, error_type: str, message: str | None
+) -> None:
+    from django_workflows import CompletionCheck
+
+    def check(state: dict[str, Any], ctx: Any) -> CompletionCheck[Batch]:
+        if raised is not None:
+            raise raised
+        return CompletionCheck.failed("supplier rejected the batch")
+
+    kernel = kernel_for(_batch_workflow(check))
+    run = run_to_completion(kernel, _start(kernel, "batch", []), advance_seconds=2)
+    assert run.status == Status.FAILED
+    expected = message or "batch had a duplicate"
+    assert run.error == {
+        "stage_id": "batch",
+        "message": expected,
+        "error_type": error_type,
+        "attempt": 0,
+        "delivery": None,
+    }
+    assert WorkflowStage.objects.get(run_id=run.pk).error_message == expected
+
+
+def test_a_run_whose_workflow_is_missing_at_claim_has_run_error_without_stage(
+    kernel_for: Any,
+) -> None:
+    creator = kernel_for(_validating([]))
+    run_id = _start(creator, "orders", ["A"])
+    kernel_for().dispatch(ClaimPendingRuns("claimer"))  # a process without the workflow
+    run = WorkflowRun.objects.get(pk=run_id)
+    assert run.status == Status.FAILED
+    assert run.error["stage_id"] is None and run.error["error_type"] == "WorkflowNotFound"
+    assert run.error["message"] == run.output["error"]["message"]
