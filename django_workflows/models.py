@@ -70,6 +70,14 @@ class WorkflowRun(models.Model):
     total_tokens = models.BigIntegerField(default=0)
     priority = models.IntegerField(default=5)
     metadata = _json(null=True, blank=True)
+    #: Why a FAILED run failed, written in the UPDATE that sets it FAILED (``None`` otherwise;
+    #: a CANCELLED run keeps its reason in ``output["error"]``): ``{"stage_id", "message",
+    #: "error_type", "attempt", "delivery"}`` - the failed stage (``None`` when no stage
+    #: caused it), its ``error_message``, the kind of failure (an exception class name,
+    #: ``StageFailed``'s ``error_type``, ``DeliveriesExhausted``, ``StuckRunReaped``,
+    #: ``WorkflowNotFound``, ...), the stage's rerun generation and the job delivery it failed
+    #: on (``None`` when unknown). The stage's traceback is in its ``metrics["traceback"]``.
+    error = _json(null=True, blank=True)
     #: The sequence of the run's latest outbox event (EV-3): appenders bump it under the run's
     #: row lock, so sequences are gap-free without a ``MAX()`` per append.
     event_sequence = models.PositiveBigIntegerField(default=0)

@@ -85,10 +85,32 @@ def list_annotations(run_id: Any, **filters: Any) -> list[AnnotationRecord]:
     return get_kernel().annotations.list(run_id, **filters)
 
 
-def run_error(run: WorkflowRun, stages: list[WorkflowStage] | None = None) -> str | None:
-    """The error of a run: ``output["error"]`` (claim failure, stuck reaping) or, for a FAILED
-    run, the ``error_message`` of its first failed stage; ``None`` when there is none.
+def error_details(run: WorkflowRun) -> str:
+    """``"StageFailed, attempt 0, delivery 1"``: the kind of failure and where, from
+    ``run.error`` (``""`` without one); shown next to :func:`run_error`.
     """
+    recorded = run.__dict__.get("error")
+    if not isinstance(recorded, dict):
+        return ""
+    parts = [str(recorded["error_type"])] if recorded.get("error_type") else []
+    for name in ("attempt", "delivery"):
+        if recorded.get(name) is not None:
+            parts.append(f"{name} {recorded[name]}")
+    return ", ".join(parts)
+
+
+def run_error(run: WorkflowRun, stages: list[WorkflowStage] | None = None) -> str | None:
+    """The error of a run as one line: for a FAILED run its ``run.error``
+    (``"stage validate: Duplicate SKU"``, or the message alone when no stage caused it);
+    else ``output["error"]`` (a CANCELLED run's reason); for a FAILED run of an engine older
+    than ``run.error`` the ``error_message`` of its first failed stage; ``None`` when there is
+    none.
+    """
+    recorded = run.__dict__.get("error")  # never a query for a deferred column
+    if isinstance(recorded, dict) and recorded.get("message"):
+        stage_id = recorded.get("stage_id")
+        message = str(recorded["message"])
+        return f"stage {stage_id}: {message}" if stage_id else message
     output = run.output if isinstance(run.output, dict) else {}
     error = output.get("error")
     if isinstance(error, dict) and error.get("message"):

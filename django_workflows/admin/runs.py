@@ -53,7 +53,7 @@ from ..models import (
     WorkflowRun,
     WorkflowStage,
 )
-from ..runs import WaitingReason, run_error, waiting_reasons
+from ..runs import WaitingReason, error_details, run_error, waiting_reasons
 from .display import (
     CappedPaginationMixin,
     StatusFilter,
@@ -481,6 +481,9 @@ class WorkflowRunAdmin(CappedPaginationMixin, admin.ModelAdmin):
         error = run_error(obj)
         if not error:
             return "-"
+        details = error_details(obj)
+        if details:
+            error = f"{error}\n({details})"
         return format_html('<pre class="dw-json dw-error" id="dw-run-error">{}</pre>', error)
 
     @admin.display(description="created at")
@@ -744,6 +747,7 @@ class WorkflowRunAdmin(CappedPaginationMixin, admin.ModelAdmin):
             "dw_stages": stage_rows(run, stages),
             "dw_waiting": [(w, waiting_line(w)) for w in waiting],
             "dw_error": run_error(run, stages),
+            "dw_error_details": error_details(run),
             "dw_reruns": rerun_markers(run),
             "dw_gantt": build_gantt(run),
             "dw_timeline": timeline,

@@ -362,6 +362,26 @@ class RunLinksSerializer(serializers.Serializer):
     admin = serializers.CharField(allow_null=True)
 
 
+class RunErrorSerializer(serializers.Serializer):
+    """``run.error``: the failure of a FAILED run."""
+
+    stage_id = serializers.CharField(
+        allow_null=True, help_text="the failed stage; null when no stage caused it"
+    )
+    message = serializers.CharField(allow_blank=True)
+    error_type = serializers.CharField(
+        allow_null=True,
+        help_text="exception class, StageFailed error_type, DeliveriesExhausted, "
+        "StuckRunReaped, WorkflowNotFound, ...",
+    )
+    attempt = serializers.IntegerField(
+        allow_null=True, required=False, help_text="the stage's rerun generation"
+    )
+    delivery = serializers.IntegerField(
+        allow_null=True, required=False, help_text="the job delivery it failed on"
+    )
+
+
 class RunDetailSerializer(RunSerializer):
     """A run with its stages, data, error and what it waits for."""
 
@@ -369,7 +389,14 @@ class RunDetailSerializer(RunSerializer):
     input = serializers.JSONField()
     config = serializers.JSONField()
     output = serializers.JSONField(allow_null=True)
-    error = serializers.CharField(allow_null=True)
+    error = serializers.CharField(
+        allow_null=True, help_text="the run's error as one line (see error_detail)"
+    )
+    error_detail = RunErrorSerializer(
+        allow_null=True,
+        help_text="why a FAILED run failed (run.error); null otherwise (a CANCELLED run's "
+        "reason is in output.error)",
+    )
     stages = StageSerializer(many=True)
     waiting = WaitingSerializer(many=True)
     links = RunLinksSerializer()

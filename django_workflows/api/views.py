@@ -459,6 +459,7 @@ class RunDetailView(WorkflowsAPIView):
             config=run.config,
             output=run.output,
             error=run_error(run, list(stages)),
+            error_detail=run.error if isinstance(run.error, dict) else None,
             stages=[
                 {
                     "stage_id": st.stage_id,

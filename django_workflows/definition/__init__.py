@@ -5,17 +5,26 @@ Nothing in this package imports Django models or the kernel.
 
 from .context import CompletionContext, MissingStageOutputError, StageContext
 from .registry import WorkflowRegistry, register, registry
-from .results import UNSET, CompletionCheck, StageResult, Suspend
+from .results import UNSET, CompletionCheck, StageFailed, StageResult, Suspend
 from .stage import (
     NoConfig,
     NoInput,
+    RetryPolicy,
     Stage,
     WorkflowDefinitionError,
     define_async_batch_stage,
     define_stage,
+    infer_stage_types,
     stage,
 )
-from .workflow import StageNode, Workflow, WorkflowBuilder, define_workflow
+from .workflow import (
+    ParallelInput,
+    StageNode,
+    Workflow,
+    WorkflowBuilder,
+    define_workflow,
+    parallel_input,
+)
 
 __all__ = [
     "UNSET",
@@ -24,8 +33,11 @@ __all__ = [
     "MissingStageOutputError",
     "NoConfig",
     "NoInput",
+    "ParallelInput",
+    "RetryPolicy",
     "Stage",
     "StageContext",
+    "StageFailed",
     "StageNode",
     "StageResult",
     "Suspend",
@@ -36,6 +48,8 @@ __all__ = [
     "define_async_batch_stage",
     "define_stage",
     "define_workflow",
+    "infer_stage_types",
+    "parallel_input",
     "register",
     "registry",
     "stage",

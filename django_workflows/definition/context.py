@@ -8,14 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol
 
 from pydantic import BaseModel
+from typing_extensions import TypeVar
 
 from ..annotations import AnnotationInput, annotate_inputs
+from .stage import NoConfig
 
 InputT = TypeVar("InputT", bound=BaseModel)
-ConfigT = TypeVar("ConfigT", bound=BaseModel)
+#: ``StageContext[In]`` (one parameter) is ``StageContext[In, NoConfig]``: a stage without
+#: configuration.
+ConfigT = TypeVar("ConfigT", bound=BaseModel, default=NoConfig)
 
 
 class MissingStageOutputError(LookupError):
@@ -107,6 +111,10 @@ class _BaseContext:
 @dataclass
 class StageContext(_BaseContext, Generic[InputT, ConfigT]):
     """The context passed to ``execute(ctx)`` (WF-10..19).
+
+    Annotate a stage function with it and ``@stage`` takes the stage's input and config models
+    from the annotation: ``def f(ctx: StageContext[Order, Limits]) -> Validated`` (input
+    ``Order``, config ``Limits``); ``StageContext[Order]`` means no config.
 
     Attributes:
         input: the validated stage input (an instance of the stage's input model).

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+#: The output type a :class:`CompletionCheck` carries: ``-> CompletionCheck[Report]`` on a
+#: ``check_completion`` function declares the async-batch stage's output model.
+OutputT = TypeVar("OutputT")
 
 #: Default poll interval of a suspended stage when neither the result nor its state names one
 #: (WF-8: 30 s).
@@ -71,8 +75,12 @@ class Suspend:
 
 
 @dataclass(frozen=True)
-class CompletionCheck:
+class CompletionCheck(Generic[OutputT]):
     """The answer of ``check_completion`` (WF-3, K-PS-6).
+
+    Annotate ``check_completion`` with ``-> CompletionCheck[Report]`` and
+    :func:`~django_workflows.define_async_batch_stage` takes ``Report`` as the stage's output
+    model.
 
     Precedence: ``error`` wins over ``ready``; ``ready`` with ``output`` completes the stage with
     that output; not ready reschedules after ``next_check_in_seconds`` (or the stage's poll
@@ -92,16 +100,51 @@ class CompletionCheck:
     @classmethod
     def done(
         cls, output: Any = UNSET, *, metrics: dict[str, float] | None = None
-    ) -> CompletionCheck:
+    ) -> CompletionCheck[Any]:
         """The batch finished; ``output`` (validated with the output model) completes the stage."""
         return cls(ready=True, output=output, metrics=metrics)
 
     @classmethod
-    def not_ready(cls, next_check_in_seconds: float | None = None) -> CompletionCheck:
+    def not_ready(cls, next_check_in_seconds: float | None = None) -> CompletionCheck[Any]:
         """The batch is still running; poll again after ``next_check_in_seconds``."""
         return cls(ready=False, next_check_in_seconds=next_check_in_seconds)
 
     @classmethod
-    def failed(cls, error: str) -> CompletionCheck:
+    def failed(cls, error: str) -> CompletionCheck[Any]:
         """The batch failed: the stage and the run fail with ``error`` (K-PS-6.1)."""
         return cls(ready=False, error=error)
+
+
+class StageFailed(Exception):
+    """Raise from a stage body to fail the stage on purpose, with ``message``.
+
+    ``StageFailed("Duplicate SKU A-1")`` fails the stage at once - no retry, no back-off - and
+    with it the run (``run.error``: ``{"stage_id", "message", "error_type", "attempt",
+    "delivery"}``). The stage's ``error_message`` is ``message`` exactly.
+
+    Args:
+        message: the error, shown on the stage record, in ``run.error`` and in the
+            ``stage:failed`` / ``workflow:failed`` events. A non-empty string.
+        retryable: ``True`` makes it an ordinary failure: retried with back-off up to the
+            stage's ``max_attempts`` (its ``retry=`` policy, else the ``MAX_ATTEMPTS`` setting).
+        error_type: the ``error_type`` recorded in ``run.error`` (default ``"StageFailed"``),
+            e.g. ``"DuplicateSku"``: a short name a program can branch on.
+
+    Raises:
+        TypeError: ``message`` is not a non-empty string, or ``error_type`` is neither ``None``
+            nor a non-empty string.
+    """
+
+    def __init__(
+        self, message: str, *, retryable: bool = False, error_type: str | None = None
+    ) -> None:
+        if not isinstance(message, str) or not message:
+            raise TypeError(f"StageFailed: message must be a non-empty string, got {message!r}")
+        if error_type is not None and (not isinstance(error_type, str) or not error_type):
+            raise TypeError(
+                f"StageFailed: error_type must be None or a non-empty string, got {error_type!r}"
+            )
+        super().__init__(message)
+        self.message = message
+        self.retryable = bool(retryable)
+        self.error_type = error_type or "StageFailed"

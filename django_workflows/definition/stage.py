@@ -5,9 +5,15 @@ A stage is an id, pydantic models for its input, output and config, and a functi
     class Out(BaseModel):
         count: int
 
-    @stage(id="count-words", input=Text, output=Out)
-    def count_words(ctx: StageContext[Text, NoConfig]) -> Out:
+    @stage(id="count-words")
+    def count_words(ctx: StageContext[Text]) -> Out:
         return Out(count=len(ctx.input.text.split()))
+
+``@stage`` and :func:`define_async_batch_stage` take the models from the function's annotations
+(:func:`infer_stage_types`): input and config from ``ctx: StageContext[In, Cfg]``
+(``StageContext[In]``: no config), output from the return annotation. Explicit ``input=``,
+``output=`` and ``config=`` still win; one that disagrees with the annotation is a
+:class:`WorkflowDefinitionError`. :func:`define_stage` takes the models only as arguments.
 
 Async-batch stages also define ``check_completion(state, ctx)`` and return :class:`Suspend` from
 ``execute`` (see :func:`define_async_batch_stage`).
@@ -15,8 +21,12 @@ Async-batch stages also define ``check_completion(state, ctx)`` and return :clas
 
 from __future__ import annotations
 
+import inspect
+import math
 import re
-from collections.abc import Callable
+import sys
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -96,6 +106,75 @@ def to_json_value(value: Any) -> Any:
     return to_jsonable_python(value)
 
 
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often a stage is delivered and how long it waits between deliveries; overrides the
+    ``MAX_ATTEMPTS``, ``RETRY_BACKOFF_BASE_SECONDS`` and ``RETRY_BACKOFF_MAX_SECONDS``
+    settings for one stage (``retry=`` on :func:`stage`, :func:`define_stage`,
+    :func:`define_async_batch_stage`; ``retry=3`` is ``RetryPolicy(max_attempts=3)``).
+
+    Attributes:
+        max_attempts: deliveries of the stage's job, the first included (>= 1; ``1``: never
+            retried). It bounds every re-delivery - a failure, or a worker that died while
+            running the stage (Part I item 3) - as ``MAX_ATTEMPTS`` does.
+        backoff_base_seconds: the wait before delivery ``n + 1`` is ``backoff_base_seconds *
+            2**(n-1)`` (DM-44), in seconds, >= 0; ``None``: the setting.
+        backoff_max_seconds: cap of that wait, in seconds, >= 0; ``None``: the setting.
+
+    Raises:
+        WorkflowDefinitionError: a value out of range; the message names the field.
+    """
+
+    max_attempts: int
+    backoff_base_seconds: float | None = None
+    backoff_max_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        attempts = self.max_attempts
+        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+            raise WorkflowDefinitionError(
+                f"RetryPolicy.max_attempts must be an integer >= 1, got {attempts!r}"
+            )
+        for name in ("backoff_base_seconds", "backoff_max_seconds"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise WorkflowDefinitionError(
+                    f"RetryPolicy.{name} must be a finite number of seconds >= 0, got {value!r}"
+                )
+
+    @classmethod
+    def of(cls, value: RetryPolicy | int | None) -> RetryPolicy | None:
+        """``retry=`` as a policy: an int is ``max_attempts``; ``None`` stays ``None``.
+
+        Raises:
+            WorkflowDefinitionError: neither ``None``, an int nor a :class:`RetryPolicy`.
+        """
+        if value is None or isinstance(value, RetryPolicy):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(max_attempts=value)
+        raise WorkflowDefinitionError(
+            f"retry must be None, an int (max_attempts) or a RetryPolicy, got {value!r}"
+        )
+
+    def delay_seconds(self, attempt: int, base: float, cap: float) -> float:
+        """The back-off before delivery ``attempt + 1``, in seconds: ``base * 2**(attempt-1)``
+        capped by ``cap``, with this policy's values in place of the given settings.
+        """
+        if self.backoff_base_seconds is not None:
+            base = float(self.backoff_base_seconds)
+        if self.backoff_max_seconds is not None:
+            cap = float(self.backoff_max_seconds)
+        return min(base * 2 ** max(attempt - 1, 0), cap)
+
+
 @dataclass(eq=False)
 class Stage:
     """A stage definition (WF-1). Build one with :func:`stage`, :func:`define_stage` or
@@ -113,6 +192,8 @@ class Stage:
         check_completion: ``check_completion(state, ctx) -> CompletionCheck`` (async-batch only).
         queue: the worker pool that runs the stage's jobs (default ``"default"``); mapped onto
             a django-q2 cluster by the ``QUEUES`` setting (see :mod:`..kernel.routing`).
+        retry: the stage's :class:`RetryPolicy` (``None``: the settings); an int given here is
+            turned into ``RetryPolicy(max_attempts=n)``.
     """
 
     id: str
@@ -127,6 +208,7 @@ class Stage:
     check_completion: Callable[..., Any] | None = None
     estimate_cost: Callable[[Any, Any], float] | None = None
     queue: str = DEFAULT_QUEUE
+    retry: RetryPolicy | None = None
     _defaults: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -158,6 +240,10 @@ class Stage:
                 f"Stage {self.id!r}: invalid queue {self.queue!r}: use 1-40 lower-case "
                 "letters, digits, '-' or '_', starting with a letter or digit"
             )
+        try:
+            self.retry = RetryPolicy.of(self.retry)
+        except WorkflowDefinitionError as exc:
+            raise WorkflowDefinitionError(f"Stage {self.id!r}: {exc}") from None
         self.dependencies = tuple(self.dependencies)
         self._defaults = model_defaults(self.config_model)
 
@@ -225,6 +311,236 @@ class Stage:
         return f"<Stage {self.id} ({self.mode})>"
 
 
+# --- types from annotations -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AnnotatedTypes:
+    """The models a stage function's annotations declare (:func:`infer_stage_types`); ``None``
+    where an annotation declares none (missing, ``Any``, ``None``, a type variable).
+
+    Attributes:
+        input / config: from the first parameter's ``StageContext[In, Cfg]``
+            (``StageContext[In]``: config :class:`NoConfig`).
+        output: from the return annotation (a model), or ``CompletionCheck[Out]`` of an
+            async-batch stage's ``check_completion``.
+        parameter: the name of the first parameter (``"ctx"``), for error messages.
+    """
+
+    input: type[BaseModel] | None = None
+    config: type[BaseModel] | None = None
+    output: type[BaseModel] | None = None
+    parameter: str = "ctx"
+
+
+def _is_model(value: Any) -> bool:
+    return isinstance(value, type) and issubclass(value, BaseModel)
+
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__qualname__', None) or repr(fn)}()"
+
+
+def _caller_namespace(depth: int) -> dict[str, Any]:
+    """The local names of the frame ``depth`` levels above the caller (where a stage function
+    was defined, for annotations naming classes local to a function under
+    ``from __future__ import annotations``); ``{}`` where frames are not available.
+    """
+    try:
+        return dict(sys._getframe(depth + 1).f_locals)
+    except (AttributeError, ValueError):  # pragma: no cover - no frame support
+        return {}
+
+
+def _hint(fn: Callable[..., Any], name: str, annotation: Any, localns: Mapping[str, Any]) -> Any:
+    """One annotation of ``fn`` evaluated with ``typing.get_type_hints`` (the function's
+    globals, then its closure variables and ``localns``). Raises ``NameError`` (and whatever
+    evaluating a string annotation raises) when it names something unknown.
+    """
+
+    def holder() -> None: ...
+
+    holder.__annotations__ = {name: annotation}
+    names: dict[str, Any] = dict(localns)
+    code = getattr(fn, "__code__", None)
+    for var, cell in zip(
+        getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or (), strict=False
+    ):
+        try:
+            names.setdefault(var, cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    hints = typing.get_type_hints(holder, globalns=getattr(fn, "__globals__", {}), localns=names)
+    return hints[name]
+
+
+def _declared(
+    stage_id: str, value: Any, what: str, where: str, *, strict: bool
+) -> type[BaseModel] | None:
+    """A type from an annotation as a model, ``None`` when it declares none. ``strict``: a type
+    that is neither a model nor "none" (``Any``, ``None``, a type variable) is an error (it
+    would be inferred), else it is ignored (an explicit argument covers it).
+    """
+    if value is Any or value is None or value is type(None) or isinstance(value, typing.TypeVar):
+        return None
+    if _is_model(value):
+        return value  # type: ignore[no-any-return]
+    if strict:
+        raise WorkflowDefinitionError(
+            f"Stage {stage_id!r}: the {what} annotation of {where} is {value!r}, not a pydantic "
+            f"BaseModel subclass; annotate a model, or pass {what}= explicitly"
+        )
+    return None
+
+
+def infer_stage_types(
+    stage_id: str,
+    execute: Callable[..., Any],
+    *,
+    check_completion: Callable[..., Any] | None = None,
+    need: frozenset[str] = frozenset({"input", "config", "output"}),
+    localns: Mapping[str, Any] | None = None,
+) -> AnnotatedTypes:
+    """Read the models a stage's annotations declare.
+
+    ``execute``'s first parameter annotated ``StageContext[In, Cfg]`` gives input ``In`` and
+    config ``Cfg`` (``StageContext[In]``: :class:`NoConfig`); its return annotation, when a
+    model, gives the output (``-> None`` or none: no declared output). With
+    ``check_completion`` (an async-batch stage) the output comes from its
+    ``-> CompletionCheck[Out]`` instead. String annotations (``from __future__ import
+    annotations``, forward references) are evaluated with ``typing.get_type_hints`` in the
+    function's globals, closure and ``localns``.
+
+    ``need``: the kinds (``input``, ``config``, ``output``) no explicit argument gives; an
+    annotation of one of them that cannot be evaluated or is not a model is an error, the
+    others are only read for the agreement check (and skipped when unreadable).
+
+    Raises:
+        WorkflowDefinitionError: a needed annotation names an unknown type or a non-model
+            type; the message names the stage, the function and the parameter.
+    """
+    from .context import StageContext
+    from .results import CompletionCheck
+
+    where = _qualname(execute)
+    ns = localns or {}
+    found: dict[str, Any] = {}
+    try:
+        params = [
+            p
+            for p in inspect.signature(execute).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):  # a builtin or a callable without a signature
+        params = []
+    parameter = params[0].name if params else "ctx"
+
+    def evaluate(fn: Callable[..., Any], name: str, annotation: Any, kinds: set[str]) -> Any:
+        try:
+            return _hint(fn, name, annotation, ns)
+        except Exception as exc:
+            if kinds & need:
+                label = "return" if name == "return" else f"parameter {name!r}"
+                raise WorkflowDefinitionError(
+                    f"Stage {stage_id!r}: cannot evaluate the annotation of {label} of "
+                    f"{_qualname(fn)} ({type(exc).__name__}: {exc}); define the type where "
+                    f"the function can see it, or pass "
+                    f"{' and '.join(k + '=' for k in sorted(kinds & need))} explicitly"
+                ) from None
+            return None
+
+    if params and params[0].annotation is not inspect.Parameter.empty:
+        hint = evaluate(execute, parameter, params[0].annotation, {"input", "config"})
+        if typing.get_origin(hint) is StageContext:
+            args = typing.get_args(hint)
+            at = f"parameter {parameter!r} of {where}"
+            found["input"] = (
+                _declared(stage_id, args[0], "input", at, strict="input" in need) if args else None
+            )
+            if len(args) > 1:
+                found["config"] = _declared(
+                    stage_id, args[1], "config", at, strict="config" in need
+                )
+    if check_completion is not None:
+        annotation = getattr(check_completion, "__annotations__", {}).get("return")
+        if annotation is not None:
+            hint = evaluate(check_completion, "return", annotation, {"output"})
+            if typing.get_origin(hint) is CompletionCheck:
+                (arg,) = typing.get_args(hint)
+                found["output"] = _declared(
+                    stage_id, arg, "output", _qualname(check_completion), strict=False
+                )
+    else:
+        annotation = getattr(execute, "__annotations__", {}).get("return")
+        if annotation is not None:
+            hint = evaluate(execute, "return", annotation, {"output"})
+            found["output"] = hint if _is_model(hint) else None
+    return AnnotatedTypes(
+        input=found.get("input"),
+        config=found.get("config"),
+        output=found.get("output"),
+        parameter=parameter,
+    )
+
+
+def _agree(
+    stage_id: str,
+    what: str,
+    explicit: type[BaseModel] | None,
+    annotated: type[BaseModel] | None,
+    source: str,
+) -> type[BaseModel] | None:
+    """The explicit model if given (it must be the annotated one, if any), else the annotated.
+
+    Raises:
+        WorkflowDefinitionError: both are given and differ.
+    """
+    if explicit is None:
+        return annotated
+    if annotated is not None and explicit is not annotated:
+        raise WorkflowDefinitionError(
+            f"Stage {stage_id!r}: {what}={explicit.__qualname__} disagrees with {source}, "
+            f"which declares {annotated.__qualname__}; pass the same model or drop {what}="
+        )
+    return explicit
+
+
+def _typed(
+    *,
+    id: str,
+    execute: Callable[..., Any],
+    check_completion: Callable[..., Any] | None,
+    input: type[BaseModel] | None,
+    output: type[BaseModel] | None,
+    config: type[BaseModel] | None,
+    localns: Mapping[str, Any],
+) -> tuple[type[BaseModel] | None, type[BaseModel] | None, type[BaseModel] | None]:
+    """``(input, output, config)``: the explicit models, else the annotated ones."""
+    validate_id("stage", id)
+    need = frozenset(
+        kind
+        for kind, value in (("input", input), ("config", config), ("output", output))
+        if value is None
+    )
+    types = infer_stage_types(
+        id, execute, check_completion=check_completion, need=need, localns=localns
+    )
+    where = _qualname(execute)
+    context = f"the annotation StageContext[...] of parameter {types.parameter!r} of {where}"
+    if check_completion is not None:
+        returned = f"the return annotation CompletionCheck[...] of {_qualname(check_completion)}"
+    else:
+        returned = f"the return annotation of {where}"
+    return (
+        _agree(id, "input", input, types.input, context),
+        _agree(id, "output", output, types.output, returned),
+        _agree(id, "config", config, types.config, context),
+    )
+
+
+# --- definition functions -------------------------------------------------------------------
+
+
 def define_stage(
     *,
     id: str,
@@ -237,8 +553,10 @@ def define_stage(
     dependencies: tuple[str, ...] | list[str] = (),
     estimate_cost: Callable[[Any, Any], float] | None = None,
     queue: str = DEFAULT_QUEUE,
+    retry: RetryPolicy | int | None = None,
 ) -> Stage:
-    """Define a synchronous stage (WF-5).
+    """Define a synchronous stage (WF-5). The models are taken only from the arguments (use
+    :func:`stage` to take them from the annotations).
 
     Args:
         id: stage id (see :data:`ID_PATTERN`).
@@ -247,9 +565,10 @@ def define_stage(
         input / output / config: pydantic models; ``input=None`` takes no input (WF-6).
         queue: the worker pool that runs the stage (:data:`DEFAULT_QUEUE` unless named;
             :data:`QUEUE_PATTERN`); see :mod:`..kernel.routing`.
+        retry: a :class:`RetryPolicy`, or an int (``max_attempts``); ``None``: the settings.
 
     Raises:
-        WorkflowDefinitionError: a malformed id, model or queue name.
+        WorkflowDefinitionError: a malformed id, model, queue name or retry policy.
     """
     return Stage(
         id=id,
@@ -262,6 +581,7 @@ def define_stage(
         dependencies=tuple(dependencies),
         estimate_cost=estimate_cost,
         queue=queue,
+        retry=retry,  # type: ignore[arg-type]  # normalised by Stage
     )
 
 
@@ -277,6 +597,7 @@ def define_async_batch_stage(
     description: str = "",
     dependencies: tuple[str, ...] | list[str] = (),
     queue: str = DEFAULT_QUEUE,
+    retry: RetryPolicy | int | None = None,
 ) -> Stage:
     """Define an async-batch stage (WF-5, WF-7).
 
@@ -284,7 +605,24 @@ def define_async_batch_stage(
     ``check_completion(state, ctx)`` (outside any transaction) until it returns a ready or failed
     :class:`CompletionCheck` (SPEC §4.7). ``queue``: as for :func:`define_stage` (the
     ``execute`` delivery runs on that pool; ``check_completion`` runs in the maintenance tick).
+
+    Input and config default to ``execute``'s ``ctx: StageContext[In, Cfg]`` annotation, the
+    output to ``check_completion``'s ``-> CompletionCheck[Out]`` (see :func:`stage`).
+    ``retry``: as for :func:`define_stage` (it bounds the deliveries of ``execute``).
+
+    Raises:
+        WorkflowDefinitionError: as :func:`define_stage`, and an explicit model that disagrees
+            with the annotations.
     """
+    input, output, config = _typed(
+        id=id,
+        execute=execute,
+        check_completion=check_completion,
+        input=input,
+        output=output,
+        config=config,
+        localns=_caller_namespace(1),
+    )
     return Stage(
         id=id,
         name=name or id,
@@ -297,6 +635,7 @@ def define_async_batch_stage(
         mode="async-batch",
         check_completion=check_completion,
         queue=queue,
+        retry=retry,  # type: ignore[arg-type]  # normalised by Stage
     )
 
 
@@ -310,23 +649,49 @@ def stage(
     description: str = "",
     dependencies: tuple[str, ...] | list[str] = (),
     queue: str = DEFAULT_QUEUE,
+    retry: RetryPolicy | int | None = None,
 ) -> Callable[[Callable[..., Any]], Stage]:
     """Decorator form of :func:`define_stage`; the decorated function becomes ``execute``.
 
+    The models default to the function's annotations::
+
+        @stage(id="validate", retry=RetryPolicy(max_attempts=5, backoff_base_seconds=1))
+        def validate(ctx: StageContext[Order, Limits]) -> Validated: ...
+
+    is ``input=Order, config=Limits, output=Validated``. ``StageContext[Order]`` means no
+    config; ``-> None`` or no return annotation means no declared output; ``Any`` declares
+    nothing. An explicit argument wins, but must be the annotated model when there is one.
+
     ``queue``: the worker pool that runs the stage, e.g. ``@stage(id="embed", queue="gpu")``.
+    ``retry``: a :class:`RetryPolicy` or an int (``max_attempts``) for this stage.
+
+    Raises:
+        WorkflowDefinitionError: (when decorating) a malformed id, queue or retry policy; an
+            explicit model that disagrees with the annotation (naming the stage, both models
+            and the parameter); an annotation that names an unknown or non-model type.
     """
 
     def wrap(fn: Callable[..., Any]) -> Stage:
+        typed_input, typed_output, typed_config = _typed(
+            id=id,
+            execute=fn,
+            check_completion=None,
+            input=input,
+            output=output,
+            config=config,
+            localns=_caller_namespace(1),
+        )
         return define_stage(
             id=id,
             execute=fn,
             name=name,
-            input=input,
-            output=output,
-            config=config,
+            input=typed_input,
+            output=typed_output,
+            config=typed_config,
             description=description or (fn.__doc__ or "").strip().split("\n")[0],
             dependencies=dependencies,
             queue=queue,
+            retry=retry,
         )
 
     return wrap

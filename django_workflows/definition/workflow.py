@@ -19,11 +19,85 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from .stage import NoInput, Stage, WorkflowDefinitionError, format_validation_error, validate_id
+
+
+class ParallelInput(BaseModel):
+    """Base of the models :func:`parallel_input` generates: the combined output of a parallel
+    group, one field per stage. ``model["stage-id"]`` reads a field by its stage id.
+    """
+
+    model_config = ConfigDict(populate_by_name=True)
+    #: The stage ids of the group, in order.
+    stage_ids: ClassVar[tuple[str, ...]] = ()
+
+    def __getitem__(self, stage_id: str) -> Any:
+        """The output of ``stage_id``. Raises ``KeyError`` naming the group's stage ids."""
+        for name, info in type(self).model_fields.items():
+            if info.alias == stage_id:
+                return getattr(self, name)
+        raise KeyError(
+            f"{stage_id!r} is not a stage of this parallel group; stages: "
+            f"{', '.join(self.stage_ids)}"
+        )
+
+
+_parallel_models: dict[tuple[Stage, ...], type[ParallelInput]] = {}
+
+
+def _field_name(stage_id: str) -> str:
+    name = stage_id.replace("-", "_")
+    return f"stage_{name}" if name[0].isdigit() else name
+
+
+def parallel_input(*stages: Stage) -> type[ParallelInput]:
+    """The input model of the stage after ``.parallel([a, b])``: the group's combined output
+    ``{stage_id: output}`` (WF-40) as a pydantic model, one field per stage - named after its
+    id with ``-`` as ``_`` (``parse-metadata`` -> ``parse_metadata``), aliased to the id, typed
+    with the stage's output model (``Any`` without one).
+
+    Use it as the next stage's input annotation::
+
+        Checked = parallel_input(reserve_stock, price_shipping)
+
+        @stage(id="confirm")
+        def confirm(ctx: StageContext[Checked]) -> Confirmation:
+            ctx.input.reserve_stock  # or ctx.input["reserve-stock"]
+
+    The same stages give the same model class (so it can be named twice). The builder checks
+    that a stage with such an input follows exactly that parallel group.
+
+    Raises:
+        WorkflowDefinitionError: no stage, something that is not a :class:`Stage`, or a
+            repeated stage id.
+    """
+    if not stages:
+        raise WorkflowDefinitionError("parallel_input() needs at least one stage")
+    for item in stages:
+        if not isinstance(item, Stage):
+            raise WorkflowDefinitionError(f"parallel_input() expects stages, got {item!r}")
+    ids = [item.id for item in stages]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise WorkflowDefinitionError(f"parallel_input(): duplicate stage ids {', '.join(dupes)}")
+    key = tuple(stages)
+    model = _parallel_models.get(key)
+    if model is None:
+        fields: dict[str, Any] = {
+            _field_name(item.id): (item.output_model or Any, Field(alias=item.id))
+            for item in stages
+        }
+        name = "".join(part.capitalize() for i in ids for part in i.replace("_", "-").split("-"))
+        model = create_model(  # type: ignore[call-overload]
+            f"{name}Input", __base__=ParallelInput, **fields
+        )
+        model.stage_ids = tuple(ids)
+        _parallel_models[key] = model
+    return model
 
 
 @dataclass(frozen=True)
@@ -187,7 +261,16 @@ class WorkflowBuilder:
                 f"Workflow {self.id!r}: duplicate stage ids {', '.join(dupes)}"
             )
         known = set(self._ids)
+        previous = [s.id for s in self._groups[-1]] if self._groups else []
         for stage in stages:
+            model = stage.input_model
+            if isinstance(model, type) and issubclass(model, ParallelInput):
+                if list(model.stage_ids) != previous:
+                    raise WorkflowDefinitionError(
+                        f"Stage {stage.id!r}: its input is parallel_input("
+                        f"{', '.join(model.stage_ids)}) but the execution group before it is "
+                        f"{', '.join(previous) or '(none: it is the first)'}"
+                    )
             missing = [d for d in stage.dependencies if d not in known]
             if missing:
                 where = " (in parallel group)" if parallel else ""

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import connection, transaction
 
 from ..conf import workflow_settings
+from ..definition.stage import Stage
 from ..definition.workflow import StageNode, Workflow
 from ..models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from . import events as ev
@@ -436,6 +437,7 @@ def execute(kernel: Kernel, delivery: Delivery) -> tuple[ExecutionOutcome, Kerne
             raise
         outcome = ExecutionOutcome(
             error=task_timeout_message(d.node.stage.id, time.monotonic() - began),
+            error_type="TaskTimeout",
             stopped=exc,
         )
     fault_point("stage.executing")
@@ -537,7 +539,7 @@ def _outcome_transaction(
                 raise _Discard()  # not ours any more either: a stale delivery
             return Outcome("ghost", error=error)
         now = kernel.clock.now()
-        result = _settle_job(kernel, job, outcome)
+        result = _settle_job(kernel, job, outcome, d.node.stage)
         if result is None:
             raise _Discard()
         stage_result, events = write_outcome(
@@ -559,9 +561,7 @@ def _outcome_transaction(
         else:
             stopping = stop is not None and stop.is_set()
             reserve_for = None if stopping else worker_id
-            following = _transition(
-                kernel, d, run, stage_result, events, now, reserve_for, queues
-            )
+            following = _transition(kernel, d, run, stage_result, events, now, reserve_for, queues)
         append_events(events, d.causation_id, now)
         fault_point("outcome.before_commit")
     fault_point("outcome.after_commit")
@@ -617,9 +617,16 @@ def _committed_before(d: Delivery, outcome: ExecutionOutcome) -> Outcome | None:
     return Outcome("completed") if both else None
 
 
-def _settle_job(kernel: Kernel, job: WorkflowJob, outcome: ExecutionOutcome) -> str | None:
+def _settle_job(
+    kernel: Kernel, job: WorkflowJob, outcome: ExecutionOutcome, stage: Stage
+) -> str | None:
     """The fence: move the job out of RUNNING only if it is still at this delivery's attempt.
     Returns its new status, or ``None`` if the delivery no longer owns the job.
+
+    The one retry decision of the stage path: a failure is retried unless the outcome says it
+    is final (``retryable=False``: validation errors, :class:`StageFailed`) or the job's
+    deliveries are used up (``job.max_attempts``, the stage's ``retry=`` or the setting);
+    the back-off follows the stage's ``retry=`` policy, else the settings.
     """
     queue = kernel.queue
     if outcome.error is not None:
@@ -630,6 +637,7 @@ def _settle_job(kernel: Kernel, job: WorkflowJob, outcome: ExecutionOutcome) -> 
             should_retry=retry,
             attempt=job.attempt,
             max_attempts=job.max_attempts,
+            policy=stage.retry,
         )
     if outcome.suspend is not None:
         ok = queue.suspend(job.pk, outcome.suspend.next_poll_at, attempt=job.attempt)

@@ -21,6 +21,7 @@ from ..definition.context import StageContext, StageServices
 from ..definition.results import (
     DEFAULT_MAX_WAIT_SECONDS,
     DEFAULT_POLL_INTERVAL_SECONDS,
+    StageFailed,
     StageResult,
     Suspend,
 )
@@ -67,6 +68,11 @@ class ExecutionOutcome:
     suspend: SuspendOutcome | None = None
     error: str | None = None
     retryable: bool | None = None
+    #: A short name of the kind of failure, recorded in ``run.error["error_type"]`` and the
+    #: failed stage's ``metrics["error_type"]``: the exception class (``ValueError``),
+    #: :class:`StageFailed`'s ``error_type``, ``ValidationError``, ``DefinitionError``,
+    #: ``StorageError``, ``TaskTimeout``.
+    error_type: str | None = None
     #: The formatted traceback of an exception raised by the stage body (at most
     #: ``MAX_TRACEBACK_CHARS`` characters, innermost frames kept); stored in the failed stage's
     #: ``metrics["traceback"]`` and shown collapsed in the admin.
@@ -181,12 +187,14 @@ class LocalExecutor:
                         "Suspend; define it with define_async_batch_stage"
                     )
                     outcome.retryable = False
+                    outcome.error_type = "DefinitionError"
                 else:
                     try:
                         outcome.suspend = normalise_suspend(value, execution.now)
                     except ValueError as exc:
                         outcome.error = f"DefinitionError: {exc}"
                         outcome.retryable = False
+                        outcome.error_type = "DefinitionError"
             else:
                 result = value if isinstance(value, StageResult) else StageResult(output=value)
                 try:
@@ -197,6 +205,7 @@ class LocalExecutor:
                         f"{format_validation_error(exc)}"
                     )
                     outcome.retryable = False
+                    outcome.error_type = "ValidationError"
                 else:
                     outcome.result = result
         except _StageInputError as exc:
@@ -205,6 +214,13 @@ class LocalExecutor:
                 f"{format_validation_error(exc.error)}"
             )
             outcome.retryable = False
+            outcome.error_type = "ValidationError"
+        except StageFailed as exc:
+            # A failure on purpose: its message as given; final unless it says retryable.
+            outcome.error = exc.message
+            outcome.error_type = exc.error_type
+            outcome.traceback = traceback_text(exc)
+            outcome.retryable = None if exc.retryable else False
         except Exception as exc:
             if _too_deep(exc):
                 # Retrying cannot help: the same value comes back on every delivery.
@@ -213,8 +229,10 @@ class LocalExecutor:
                     f"({error_text(exc)})"
                 )
                 outcome.retryable = False
+                outcome.error_type = "StorageError"
             else:
                 outcome.error = error_text(exc)
+                outcome.error_type = type(exc).__name__
                 outcome.traceback = traceback_text(exc)
                 non_retryable = isinstance(exc, ValidationError | AnnotationError)
                 outcome.retryable = False if non_retryable else None
@@ -253,6 +271,7 @@ def ensure_storable(stage: Stage, outcome: ExecutionOutcome) -> ExecutionOutcome
                 f"{problem}"
             )
             outcome.retryable = False
+            outcome.error_type = "StorageError"
     if outcome.error is not None:
         outcome.error = storable_text(outcome.error)
     return outcome

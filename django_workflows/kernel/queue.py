@@ -28,7 +28,7 @@ from django.db import DatabaseError, transaction
 from django.db.models import F
 
 from ..conf import workflow_settings
-from ..definition.stage import DEFAULT_QUEUE
+from ..definition.stage import DEFAULT_QUEUE, RetryPolicy
 from ..models import Status, WorkflowJob
 from ..ports import Clock, JobTransport
 from . import rows
@@ -54,7 +54,10 @@ def exhausted_message(job: WorkflowJob) -> str:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """A job to enqueue (DM-40). ``queue``: its stage's worker pool (issue 8 item 5)."""
+    """A job to enqueue (DM-40). ``queue``: its stage's worker pool (issue 8 item 5).
+    ``max_attempts``: its delivery limit, the stage's ``retry.max_attempts`` (``None``: the
+    ``MAX_ATTEMPTS`` setting).
+    """
 
     workflow_run_id: uuid.UUID
     workflow_id: str
@@ -64,6 +67,7 @@ class JobSpec:
     next_poll_at: datetime | None = None
     run_created_at: datetime | None = None
     queue: str = DEFAULT_QUEUE
+    max_attempts: int | None = None
 
 
 class JobQueue:
@@ -113,7 +117,7 @@ class JobQueue:
                 stage_id=s.stage_id,
                 priority=s.priority,
                 payload=s.payload,
-                max_attempts=max_attempts,
+                max_attempts=s.max_attempts or max_attempts,
                 next_poll_at=s.next_poll_at,
                 run_created_at=s.run_created_at or now,
                 queue=s.queue,
@@ -252,14 +256,16 @@ class JobQueue:
             )
         )
 
-    def retry_delay_seconds(self, attempt: int) -> float:
+    def retry_delay_seconds(self, attempt: int, policy: RetryPolicy | None = None) -> float:
         """Back-off before delivery ``attempt + 1``: ``RETRY_BACKOFF_BASE_SECONDS *
-        2**(attempt-1)``, capped by ``RETRY_BACKOFF_MAX_SECONDS`` (DM-44).
+        2**(attempt-1)``, capped by ``RETRY_BACKOFF_MAX_SECONDS`` (DM-44); a stage's
+        ``policy`` (its ``retry=``) replaces either setting it names.
         """
-        return min(
-            float(workflow_settings.RETRY_BACKOFF_BASE_SECONDS) * 2 ** max(attempt - 1, 0),
-            float(workflow_settings.RETRY_BACKOFF_MAX_SECONDS),
-        )
+        base = float(workflow_settings.RETRY_BACKOFF_BASE_SECONDS)
+        cap = float(workflow_settings.RETRY_BACKOFF_MAX_SECONDS)
+        if policy is not None:
+            return policy.delay_seconds(attempt, base, cap)
+        return min(base * 2 ** max(attempt - 1, 0), cap)
 
     def fail(
         self,
@@ -269,12 +275,14 @@ class JobQueue:
         should_retry: bool = False,
         attempt: int | None = None,
         max_attempts: int | None = None,
+        policy: RetryPolicy | None = None,
     ) -> str | None:
         """Fail a RUNNING job (DM-44, SM-23/24); fenced by ``attempt`` when given.
 
         With ``should_retry`` and deliveries left the job goes back to PENDING after
-        :meth:`retry_delay_seconds` (in lease time); otherwise it is FAILED. ``attempt`` and
-        ``max_attempts``, when the caller knows them, save reading the job.
+        :meth:`retry_delay_seconds` (in lease time; ``policy``: the stage's ``retry=``);
+        otherwise it is FAILED. ``attempt`` and ``max_attempts``, when the caller knows them,
+        save reading the job.
 
         Returns:
             The new status, or ``None`` if the job was no longer RUNNING (at ``attempt``).
@@ -297,7 +305,7 @@ class JobQueue:
                     last_error=error,
                     worker_id=None,
                     locked_at=None,
-                    next_poll_at=self.lease_clock.offset(self.retry_delay_seconds(current)),
+                    next_poll_at=self.lease_clock.offset(self.retry_delay_seconds(current, policy)),
                     updated_at=now,
                 ),
             )

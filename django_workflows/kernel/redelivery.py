@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("django_workflows.worker")
 
+#: ``run.error["error_type"]`` of a run failed because its stage's job was delivered
+#: ``max_attempts`` times without finishing.
+DELIVERIES_EXHAUSTED = "DeliveriesExhausted"
+
 
 def give_up_job(kernel: Kernel, job: WorkflowJob, message: str) -> bool:
     """Settle ``job`` (locked by the caller's transaction, read with its current status) whose
@@ -89,6 +93,8 @@ def _give_up(kernel: Kernel, job: WorkflowJob, message: str) -> bool:
             duration_ms=duration,
             error_message=message,
             next_poll_at=None,
+            # run.transition copies it into run.error (the run fails in this transaction).
+            metrics={**(record.metrics or {}), "error_type": DELIVERIES_EXHAUSTED},
         )
         events.append(
             ev.event(

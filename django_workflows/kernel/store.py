@@ -37,6 +37,27 @@ def update_run(run_id: uuid.UUID, now: datetime, **fields: Any) -> int:
     return rows.update(WorkflowRun, run_id, {"updated_at": now, **fields}, bump_version=True)
 
 
+def run_error(
+    stage_id: str | None,
+    message: str,
+    error_type: str | None,
+    *,
+    attempt: int | None = None,
+    delivery: int | None = None,
+) -> dict[str, Any]:
+    """The ``WorkflowRun.error`` document of a failed run (issue 11 item 2): the stage
+    concerned (``None``: no stage caused it), the error message, the kind of failure, the
+    stage's rerun generation (``attempt``) and the job delivery it failed on (``delivery``).
+    """
+    return {
+        "stage_id": stage_id,
+        "message": message,
+        "error_type": error_type,
+        "attempt": attempt,
+        "delivery": delivery,
+    }
+
+
 def update_stage(stage_pk: uuid.UUID, now: datetime, **fields: Any) -> int:
     """Update a stage record, bumping ``version`` and ``updated_at`` (DM-5, DM-8)."""
     return rows.update(WorkflowStage, stage_pk, {"updated_at": now, **fields}, bump_version=True)

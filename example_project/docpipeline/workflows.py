@@ -7,8 +7,13 @@ distributions (``importlib.metadata``).
 
 ``dependency-graph`` submits a real django-q2 background task, suspends, and is resumed by the
 maintenance tick once the task has stored its result. ``flaky-demo`` fails its first
-deliveries to show retries with back-off. ``publish-report`` drafts a report, waits for a
-human approval (``workflows_approve`` / ``workflows_reject``) and publishes it if approved.
+deliveries to show retries with back-off (its own ``retry=`` policy). ``publish-report``
+drafts a report, waits for a human approval (``workflows_approve`` / ``workflows_reject``) and
+publishes it if approved.
+
+Every stage takes its input, config and output models from its annotations
+(``StageContext[In, Cfg] -> Out``); a name prefix that matches no distribution is a final
+business error (``StageFailed``: the run fails at once, no retry).
 """
 
 from __future__ import annotations
@@ -22,14 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from django_workflows import (
     CompletionCheck,
+    RetryPolicy,
     StageContext,
+    StageFailed,
     Suspend,
     define_async_batch_stage,
     define_workflow,
+    parallel_input,
     register,
     stage,
 )
@@ -97,14 +105,6 @@ class TextStats(BaseModel):
     longest: list[tuple[str, int]]
 
 
-class AnalysisInput(BaseModel):
-    """The output of the parallel group, keyed by stage id (WF-40)."""
-
-    model_config = ConfigDict(populate_by_name=True)
-    parse_metadata: ParsedMetadata = Field(alias="parse-metadata")
-    text_stats: TextStats = Field(alias="text-stats")
-
-
 class DependencyGraph(BaseModel):
     packages: int
     edges: int
@@ -129,10 +129,8 @@ class ReportOutput(BaseModel):
 # --- stages ------------------------------------------------------------------------------------
 
 
-@stage(
-    id="discover", name="Discover installed distributions", input=ReportInput, output=DiscoverOutput
-)
-def discover(ctx: StageContext[ReportInput, Any]) -> DiscoverOutput:
+@stage(id="discover", name="Discover installed distributions")
+def discover(ctx: StageContext[ReportInput]) -> DiscoverOutput:
     """Read the METADATA document of every installed distribution."""
     seen: set[str] = set()
     docs: list[Document] = []
@@ -147,15 +145,18 @@ def discover(ctx: StageContext[ReportInput, Any]) -> DiscoverOutput:
         docs.append(Document(name=name, version=dist.version or "", metadata_text=text))
         if ctx.input.limit and len(docs) >= ctx.input.limit:
             break
+    if not docs:  # a wrong prefix: retrying cannot help
+        raise StageFailed(
+            f"no installed distribution's name starts with {ctx.input.name_prefix!r}",
+            error_type="NothingToReport",
+        )
     ctx.progress(100, f"found {len(docs)} distributions")
     ctx.log("INFO", "discovered distributions", count=len(docs))
     return DiscoverOutput(documents=docs)
 
 
-@stage(
-    id="parse-metadata", name="Parse metadata headers", input=DiscoverOutput, output=ParsedMetadata
-)
-def parse_metadata(ctx: StageContext[DiscoverOutput, Any]) -> ParsedMetadata:
+@stage(id="parse-metadata", name="Parse metadata headers")
+def parse_metadata(ctx: StageContext[DiscoverOutput]) -> ParsedMetadata:
     """Parse each METADATA document as the RFC 822 message it is."""
     packages = []
     total = len(ctx.input.documents) or 1
@@ -177,13 +178,7 @@ def parse_metadata(ctx: StageContext[DiscoverOutput, Any]) -> ParsedMetadata:
     return ParsedMetadata(packages=packages)
 
 
-@stage(
-    id="text-stats",
-    name="Description text statistics",
-    input=DiscoverOutput,
-    output=TextStats,
-    config=TextStatsConfig,
-)
+@stage(id="text-stats", name="Description text statistics")
 def text_stats(ctx: StageContext[DiscoverOutput, TextStatsConfig]) -> TextStats:
     """Word counts over the long descriptions (the body of each METADATA document)."""
     counter: Counter[str] = Counter()
@@ -245,6 +240,10 @@ def compute_dependency_graph(
     return graph.edges
 
 
+#: The output of the parallel group, one field per stage: ``.parse_metadata``, ``.text_stats``.
+AnalysisInput = parallel_input(parse_metadata, text_stats)
+
+
 def submit_graph(ctx: StageContext[AnalysisInput, GraphConfig]) -> Suspend:
     """Submit the graph computation to django-q2 and suspend until it has stored its result."""
     from django_q.tasks import async_task
@@ -267,7 +266,7 @@ def submit_graph(ctx: StageContext[AnalysisInput, GraphConfig]) -> Suspend:
     )
 
 
-def graph_ready(state: dict[str, Any], ctx: Any) -> CompletionCheck:
+def graph_ready(state: dict[str, Any], ctx: Any) -> CompletionCheck[DependencyGraph]:
     if ctx.storage.exists(state["result_key"]):
         return CompletionCheck.done(ctx.storage.load(state["result_key"]))
     return CompletionCheck.not_ready()
@@ -276,9 +275,6 @@ def graph_ready(state: dict[str, Any], ctx: Any) -> CompletionCheck:
 dependency_graph = define_async_batch_stage(
     id="dependency-graph",
     name="Dependency graph (background task)",
-    input=AnalysisInput,
-    output=DependencyGraph,
-    config=GraphConfig,
     execute=submit_graph,
     check_completion=graph_ready,
     dependencies=["parse-metadata", "text-stats"],
@@ -288,11 +284,9 @@ dependency_graph = define_async_batch_stage(
 @stage(
     id="report",
     name="Write the report",
-    input=DependencyGraph,
-    output=ReportOutput,
     dependencies=["parse-metadata", "text-stats", "dependency-graph"],
 )
-def report(ctx: StageContext[DependencyGraph, Any]) -> ReportOutput:
+def report(ctx: StageContext[DependencyGraph]) -> ReportOutput:
     """Write a Markdown report and return a summary."""
     graph = ctx.input
     parsed: ParsedMetadata = ctx.require("parse-metadata")
@@ -371,7 +365,7 @@ class FlakyOutput(BaseModel):
     deliveries: int
 
 
-@stage(id="flaky", name="Fails, then succeeds", config=FlakyConfig, output=FlakyOutput)
+@stage(id="flaky", name="Fails, then succeeds", retry=RetryPolicy(4, backoff_base_seconds=1))
 def flaky(ctx: StageContext[Any, FlakyConfig]) -> FlakyOutput:
     """Fails its first ``fail_times`` deliveries (a retryable error), then succeeds."""
     seen = ctx.storage.load("deliveries") if ctx.storage.exists("deliveries") else 0
@@ -423,8 +417,8 @@ class Published(BaseModel):
     rationale: str | None
 
 
-@stage(id="draft", name="Draft the report", input=ParsedMetadata, output=Draft)
-def draft(ctx: StageContext[ParsedMetadata, Any]) -> Draft:
+@stage(id="draft", name="Draft the report")
+def draft(ctx: StageContext[ParsedMetadata]) -> Draft:
     """Write a short Markdown draft and record what it contains as annotations."""
     packages = ctx.input.packages
     dependents: Counter[str] = Counter()
@@ -461,14 +455,8 @@ review = approval_stage(
 )
 
 
-@stage(
-    id="publish",
-    name="Publish if approved",
-    input=ApprovalDecision,
-    output=Published,
-    dependencies=["draft"],
-)
-def publish(ctx: StageContext[ApprovalDecision, Any]) -> Published:
+@stage(id="publish", name="Publish if approved", dependencies=["draft"])
+def publish(ctx: StageContext[ApprovalDecision]) -> Published:
     """Copy the draft into the published folder when the review approved it."""
     decision = ctx.input
     drafted: Draft = ctx.require("draft")

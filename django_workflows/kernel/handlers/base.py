@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...definition.stage import DEFAULT_QUEUE
+from ...definition.stage import DEFAULT_QUEUE, Stage
 from ...definition.workflow import Workflow
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from ..commands import Result
@@ -31,7 +31,8 @@ def enqueue_stage_jobs(
 ) -> list[WorkflowJob]:
     """Enqueue one job per PENDING record (K-CP-4, K-TR-6): priority = run priority, payload =
     ``{"config": run.config}`` (WF-45), queue = its stage's ``queue`` in ``workflow``
-    (``"default"`` for a stage ``workflow`` does not have, or without a workflow).
+    (``"default"`` for a stage ``workflow`` does not have, or without a workflow),
+    ``max_attempts`` = its stage's ``retry.max_attempts`` (else the ``MAX_ATTEMPTS`` setting).
 
     ``reserve_for``: lease one job to that worker (:meth:`JobQueue.enqueue_jobs`): the first
     whose queue is in ``serves`` (the worker's queues; ``None``: any), and none if no job's
@@ -39,9 +40,16 @@ def enqueue_stage_jobs(
     inserted jobs, the reserved one (RUNNING) first.
     """
 
+    def stage_of(stage_id: str) -> Stage | None:
+        return workflow.get_stage(stage_id) if workflow is not None else None
+
     def queue_of(stage_id: str) -> str:
-        stage = workflow.get_stage(stage_id) if workflow is not None else None
+        stage = stage_of(stage_id)
         return stage.queue if stage is not None else DEFAULT_QUEUE
+
+    def max_attempts_of(stage_id: str) -> int | None:
+        stage = stage_of(stage_id)
+        return stage.retry.max_attempts if stage is not None and stage.retry else None
 
     specs = [
         JobSpec(
@@ -52,6 +60,7 @@ def enqueue_stage_jobs(
             payload={"config": run.config or {}},
             run_created_at=run.created_at,
             queue=queue_of(rec.stage_id),
+            max_attempts=max_attempts_of(rec.stage_id),
         )
         for rec in records
         if rec.status == Status.PENDING

@@ -258,6 +258,7 @@ def run_stage(
     if not present:
         return ExecutionOutcome(
             error=f"Stage {node.stage.id!r} is missing the output of execution group {group - 1}",
+            error_type="MissingStageOutput",
         )
     context = {}
     for stage_id, data in raw_outputs.items():
@@ -326,8 +327,9 @@ def _fail(
         completed_at=now,
         duration_ms=_ms(start, now),
         error_message=outcome.error,
-        # The traceback rides in the same UPDATE (no extra statement on the stage path).
-        metrics={"traceback": outcome.traceback} if outcome.traceback else record.metrics,
+        # The traceback and error type ride in the same UPDATE (no extra statement on the
+        # stage path); run.transition copies the error type into run.error.
+        metrics=failure_metrics(record.metrics, outcome.error_type, outcome.traceback),
         **last_progress,
     )
     events.append(
@@ -341,6 +343,21 @@ def _fail(
         )
     )
     return ExecuteJobResult("failed", error=outcome.error, retryable=outcome.retryable)
+
+
+def failure_metrics(
+    metrics: dict[str, Any] | None, error_type: str | None, traceback: str | None
+) -> dict[str, Any] | None:
+    """A failed stage record's ``metrics``: ``traceback`` (the stage body's, if it raised)
+    and ``error_type`` (the kind of failure, copied into ``run.error``) over the record's
+    metrics; the previous delivery's traceback is dropped.
+    """
+    out = {k: v for k, v in (metrics or {}).items() if k not in ("traceback", "error_type")}
+    if traceback:
+        out["traceback"] = traceback
+    if error_type:
+        out["error_type"] = error_type
+    return out or metrics
 
 
 def _suspend(

@@ -18,7 +18,7 @@ from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import events as ev
 from ..commands import ClaimedRun, ClaimPendingRuns, ClaimPendingRunsResult
 from ..locking import claim_next_pending_run
-from ..store import create_missing_stages, update_run, write_log
+from ..store import create_missing_stages, run_error, update_run, write_log
 from .base import HandlerOutput, enqueue_stage_jobs
 
 if TYPE_CHECKING:
@@ -36,6 +36,10 @@ class StartedRun:
     records: list[WorkflowStage]
 
 
+#: ``run.error["error_type"]`` of a run failed when it was claimed, by ``output.error`` code.
+_ERROR_TYPES = {"WORKFLOW_NOT_FOUND": "WorkflowNotFound", "CLAIM_FAILED": "ClaimFailed"}
+
+
 def _fail(
     kernel: Kernel,
     run: WorkflowRun,
@@ -51,6 +55,7 @@ def _fail(
         status=Status.FAILED,
         completed_at=now,
         output={"error": {"code": code, "message": message, "worker_id": worker_id}},
+        error=run_error(None, message, _ERROR_TYPES.get(code, code)),
     )
     write_log(now, "ERROR", message, run_id=run.pk, metadata={"worker_id": worker_id, "code": code})
     events.append(ev.event(ev.WORKFLOW_FAILED, run.pk, now, error=message))

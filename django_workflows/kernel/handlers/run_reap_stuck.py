@@ -30,7 +30,7 @@ from ...models import ACTIVE_STAGE_STATUSES, Status, WorkflowJob, WorkflowRun, W
 from .. import events as ev
 from ..commands import ReapStuckRuns, ReapStuckRunsResult
 from ..locking import lock_run
-from ..store import stages_of, update_run
+from ..store import run_error, stages_of, update_run
 from .base import HandlerOutput, enqueue_stage_jobs
 from .run_transition import advance
 
@@ -107,6 +107,11 @@ def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
                     ],
                 }
             },
+            error=run_error(
+                next((r.stage_id for r in records if r.status in ACTIVE_STAGE_STATUSES), None),
+                message,
+                "StuckRunReaped",
+            ),
         )
         events.append(ev.event(ev.WORKFLOW_FAILED, run_id, now, error=message))
         failed += 1

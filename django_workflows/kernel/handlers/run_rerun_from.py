@@ -69,6 +69,7 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
         completed_at=None,
         duration_ms=None,
         output=None,
+        error=None,
         total_cost=0,
         total_tokens=0,
     )

@@ -27,6 +27,7 @@ from ..store import (
     duration_ms,
     group_output,
     load_outputs,
+    run_error,
     stages_of,
     update_run,
 )
@@ -109,13 +110,23 @@ def advance(
         unretried = [r for r in failed if r.stage_id not in retrying]
         if not unretried:
             return Advance(NOOP)
-        error = unretried[0].error_message or "Stage failed"
+        first = unretried[0]
+        error = first.error_message or "Stage failed"
+        deliveries = [j for j in jobs if j.stage_id == first.stage_id]
         update_run(
             run_id,
             now,
             status=Status.FAILED,
             completed_at=now,
             duration_ms=duration_ms(run.started_at, now),
+            # In the same UPDATE: the failed stage's error (its error_type rode in its metrics).
+            error=run_error(
+                first.stage_id,
+                error,
+                (first.metrics or {}).get("error_type"),
+                attempt=first.attempt,
+                delivery=max(deliveries, key=lambda j: j.pk).attempt if deliveries else None,
+            ),
         )
         return Advance(
             TransitionRunResult("failed"), [ev.event(ev.WORKFLOW_FAILED, run_id, now, error=error)]

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from ...blobs import output_key
 from ...conf import workflow_settings
 from ...definition.context import CompletionContext
-from ...definition.results import UNSET, CompletionCheck
+from ...definition.results import UNSET, CompletionCheck, StageFailed
 from ...definition.stage import format_validation_error
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import events as ev
@@ -39,10 +39,14 @@ from ..jsonvalue import storable_text
 from ..locking import require_running
 from ..outbox import append_events, new_causation_id
 from ..services import KernelStageServices
-from ..store import duration_ms, update_run, write_annotations
+from ..store import duration_ms, run_error, update_run, write_annotations
 
 if TYPE_CHECKING:
     from ..dispatch import Kernel
+
+#: ``run.error["error_type"]`` of an async-batch stage whose ``check_completion`` returned
+#: ``CompletionCheck.failed(...)``.
+BATCH_FAILED = "BatchFailed"
 
 
 class _Stale(Exception):
@@ -83,7 +87,10 @@ def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
             reason = f"Stage {record.stage_id!r} not found in workflow {workflow.id!r}"
         else:
             reason = f"Stage {record.stage_id!r} has no check_completion (not async-batch)"
-        return _write(kernel, record, lambda now, events: _fail_both(record, reason, now, events))
+        kind = "WorkflowNotFound" if workflow is None else "StageNotFound"
+        return _write(
+            kernel, record, lambda now, events: _fail_both(record, reason, now, events, kind)
+        )
 
     services = KernelStageServices(
         clock=kernel.clock,
@@ -114,14 +121,19 @@ def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
                 f"check_completion of stage {stage.id!r} must return CompletionCheck, "
                 f"got {type(check).__name__}"
             )
+        failure_type = BATCH_FAILED
+    except StageFailed as exc:  # a failure on purpose: its message and type as given
+        check = CompletionCheck(ready=False, error=exc.message)
+        failure_type = exc.error_type
     except Exception as exc:
         check = CompletionCheck(ready=False, error=error_text(exc))
+        failure_type = type(exc).__name__
 
     annotations = ctx.annotations
 
     def apply(now: datetime, events: list[dict[str, Any]]) -> str:
         if check.error:
-            outcome = _fail_both(record, check.error, now, events)
+            outcome = _fail_both(record, check.error, now, events, failure_type)
         elif check.ready:
             outcome = _resume(kernel, run, stage, record, check, now, events)
         elif record.max_wait_until is not None and record.max_wait_until <= now:
@@ -131,6 +143,7 @@ def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
                 f"({record.max_wait_until.isoformat()})",
                 now,
                 events,
+                "MaxWaitExceeded",
             )
         else:
             delay_s = check.next_check_in_seconds
@@ -181,7 +194,7 @@ def _write(kernel: Kernel, record: WorkflowStage, apply: Any) -> str:
                 return "cancelled"
             now = kernel.clock.now()
             events = []
-            outcome = _fail_both(record, message, now, events)
+            outcome = _fail_both(record, message, now, events, type(exc).__name__)
             append_events(events, new_causation_id(), now)
             return outcome
 
@@ -196,9 +209,15 @@ def _update_suspended(record: WorkflowStage, now: datetime, **fields: Any) -> No
 
 
 def _fail_both(
-    record: WorkflowStage, error: str, now: datetime, events: list[dict[str, Any]]
+    record: WorkflowStage,
+    error: str,
+    now: datetime,
+    events: list[dict[str, Any]],
+    error_type: str = "ValidationError",
 ) -> str:
-    """Stage FAILED + run FAILED in one transaction (K-PS-6.1); its job FAILED (Part I item 9)."""
+    """Stage FAILED + run FAILED in one transaction (K-PS-6.1); its job FAILED (Part I item 9).
+    ``error_type``: the kind of failure, for the stage's ``metrics`` and ``run.error``.
+    """
     error = storable_text(str(error))
     _update_suspended(
         record,
@@ -208,6 +227,7 @@ def _fail_both(
         error_message=error,
         next_poll_at=None,
         duration_ms=duration_ms(record.started_at, now),
+        metrics={**(record.metrics or {}), "error_type": error_type},
     )
     run = record.run
     update_run(
@@ -216,6 +236,7 @@ def _fail_both(
         status=Status.FAILED,
         completed_at=now,
         duration_ms=duration_ms(run.started_at, now),
+        error=run_error(record.stage_id, error, error_type, attempt=record.attempt),
     )
     WorkflowJob.objects.filter(
         workflow_run_id=run.pk, stage_id=record.stage_id, status=Status.SUSPENDED

@@ -1,4 +1,6 @@
-"""``manage.py workflows_status <run_id> [--json]``: show a run and one line per stage record.
+"""``manage.py workflows_status <run_id> [--json] [--traceback]``: show a run and one line per
+stage record. A FAILED run shows its ``run.error`` (stage, message, error type, attempt,
+delivery); ``--traceback`` also prints the failed stage's traceback.
 
 Durations are shown in seconds (``--json`` gives the stored milliseconds, ``duration_ms``);
 progress is a percentage (0-100); times are ISO 8601 in UTC.
@@ -15,7 +17,19 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django_workflows.kernel.routing import describe_waiting, waiting_for_worker
 from django_workflows.models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 
+from ...runs import error_details
 from ._common import format_datetime, format_duration_ms, get_run, run_error
+
+
+def failed_traceback(run: WorkflowRun, stages: list[WorkflowStage]) -> str | None:
+    """The traceback stored with the stage named by ``run.error`` (else the first FAILED
+    stage): its ``metrics["traceback"]``, or ``None``.
+    """
+    wanted = (run.error or {}).get("stage_id") if isinstance(run.error, dict) else None
+    failed = [s for s in stages if s.status == Status.FAILED]
+    record = next((s for s in failed if s.stage_id == wanted), failed[0] if failed else None)
+    value = (record.metrics or {}).get("traceback") if record is not None else None
+    return value if isinstance(value, str) and value else None
 
 
 def latest_jobs(run: WorkflowRun) -> dict[str, WorkflowJob]:
@@ -74,6 +88,8 @@ def run_document(
         "completed_at": run.completed_at,
         "duration_ms": run.duration_ms,
         "error": run_error(run, stages),
+        "error_detail": run.error,
+        "traceback": failed_traceback(run, stages),
         "waiting_for_worker": waiting,
         "waiting_reason": describe_waiting(waiting),
         "input": run.input,
@@ -111,13 +127,16 @@ class Command(BaseCommand):
         "error, 'waiting for a <queue> worker' when ready work has no live worker) and one "
         "line per stage record (execution group, stage id, status, rerun "
         "generation, job deliveries/max, progress in %, duration in seconds, error and any "
-        "pending retry). --json prints a "
+        "pending retry). A failed run shows its error (stage, message, error type, attempt, "
+        "delivery); --traceback prints the failed stage's traceback. --json prints a "
         "JSON document (durations in milliseconds)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("run_id", help="the run's id (a UUID)")
         parser.add_argument("--json", action="store_true", help="print a JSON document")
+        # --traceback is Django's own option (full stack traces of command errors); here it
+        # also prints the failed stage's stored traceback.
 
     def handle(self, *args: Any, **opts: Any) -> None:
         run = get_run(opts["run_id"])
@@ -129,10 +148,14 @@ class Command(BaseCommand):
             document = run_document(run, stages, jobs)
             self.stdout.write(json.dumps(document, cls=DjangoJSONEncoder, indent=2))
             return
-        self._write_text(run, stages, jobs)
+        self._write_text(run, stages, jobs, bool(opts.get("traceback")))
 
     def _write_text(
-        self, run: WorkflowRun, stages: list[WorkflowStage], jobs: dict[str, WorkflowJob]
+        self,
+        run: WorkflowRun,
+        stages: list[WorkflowStage],
+        jobs: dict[str, WorkflowJob],
+        show_traceback: bool = False,
     ) -> None:
         write = self.stdout.write
         write(f"run {run.pk}")
@@ -146,6 +169,12 @@ class Command(BaseCommand):
         error = run_error(run, stages)
         if error:
             write(f"  error:     {error}")
+            details = error_details(run)
+            if details:
+                write(f"             ({details})")
+        traceback = failed_traceback(run, stages) if run.status == Status.FAILED else None
+        if traceback and not show_traceback:
+            write("             (the stage's traceback: --traceback)")
         if run.status in (Status.PENDING, Status.RUNNING):
             waiting = describe_waiting(waiting_for_worker(run.pk))
             if waiting:
@@ -171,3 +200,7 @@ class Command(BaseCommand):
                 f"{format_duration_ms(s.duration_ms):>10}  {error}"
             )
             write(line.rstrip())
+        if traceback and show_traceback:
+            write("traceback:")
+            for text in traceback.rstrip().splitlines():
+                write(f"  {text}")
