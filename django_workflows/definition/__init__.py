@@ -6,6 +6,7 @@ Nothing in this package imports Django models or the kernel.
 from .context import CompletionContext, MissingStageOutputError, StageContext
 from .registry import WorkflowRegistry, register, registry
 from .results import UNSET, CompletionCheck, StageResult, Suspend
+from .schedule import ScheduleDefinition, ScheduleDefinitionError, define_schedule
 from .stage import (
     NoConfig,
     NoInput,
@@ -24,6 +25,8 @@ __all__ = [
     "MissingStageOutputError",
     "NoConfig",
     "NoInput",
+    "ScheduleDefinition",
+    "ScheduleDefinitionError",
     "Stage",
     "StageContext",
     "StageNode",
@@ -34,6 +37,7 @@ __all__ = [
     "WorkflowDefinitionError",
     "WorkflowRegistry",
     "define_async_batch_stage",
+    "define_schedule",
     "define_stage",
     "define_workflow",
     "register",
