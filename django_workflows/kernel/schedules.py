@@ -105,6 +105,8 @@ class FireResult:
     skipped: int = 0
     buffered: int = 0
     cancelled: int = 0
+    #: firings whose key existed already (their run was created before): not started again
+    replayed: int = 0
     errors: int = 0
     run_ids: list[str] = field(default_factory=list)
 
@@ -229,7 +231,9 @@ def _start(
     *,
     key: str | None = None,
     reason: str | None = None,
-) -> str:
+) -> tuple[str, bool]:
+    """Create the firing's run; ``(run id, replayed)`` (``replayed``: the key existed, so
+    another tick or a backfill created the run already)."""
     result = kernel.dispatch(
         CreateRun(
             workflow_id=row.workflow_id,
@@ -240,7 +244,7 @@ def _start(
             annotations=_annotations(row.name, scheduled_at, reason),
         )
     )
-    return str(result.workflow_run_id)
+    return str(result.workflow_run_id), bool(result.replayed)
 
 
 def _previous_live(row: WorkflowSchedule) -> bool:
@@ -338,7 +342,7 @@ def _run_firing(
     kernel: Kernel, row: WorkflowSchedule, scheduled_at: datetime, now: datetime, out: FireResult
 ) -> None:
     try:
-        run_id = _start(kernel, row, scheduled_at)
+        run_id, replayed = _start(kernel, row, scheduled_at)
     except WorkflowError as exc:
         row.last_error = f"firing at {scheduled_at.isoformat()}: {exc}"
         out.errors += 1
@@ -347,8 +351,11 @@ def _run_firing(
     row.last_run_id = run_id  # type: ignore[assignment]
     row.last_scheduled_at = scheduled_at
     row.last_fired_at = now
-    row.fired_count += 1
     row.last_error = ""
+    if replayed:
+        out.replayed += 1
+        return
+    row.fired_count += 1
     out.started += 1
     out.run_ids.append(run_id)
 
@@ -471,7 +478,7 @@ def trigger_schedule(name: str, *, kernel: Kernel | None = None, actor: str = ""
             raise ScheduleNotFoundError(name)
         key = f"schedule:{name}:manual:{now.astimezone(UTC).isoformat()}"
         reason = f"triggered now by {actor}" if actor else "triggered now"
-        run_id = _start(kernel, row, now, key=key, reason=reason)
+        run_id, _ = _start(kernel, row, now, key=key, reason=reason)
         row.last_run_id = run_id  # type: ignore[assignment]
         row.last_fired_at = row.updated_at = now
         row.fired_count += 1

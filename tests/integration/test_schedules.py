@@ -5,8 +5,8 @@ trigger now, backfill, sync/orphaning, bad definitions, the ticker's due check. 
 from __future__ import annotations
 
 from collections import Counter
-from itertools import pairwise
 from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 from typing import Any
 from zoneinfo import ZoneInfo
 
