@@ -31,7 +31,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import transaction
+from django.db import DatabaseError, IntegrityError, transaction
 
 from ..annotations import IsoTimestamp, typed_key
 from ..conventions import Trigger
@@ -163,35 +163,14 @@ def sync_schedules(kernel: Kernel) -> SyncResult:
         if name in stored and stored[name] == (digest, False):
             continue
         error = _validate(kernel, definition)
-        with transaction.atomic():
-            row = lock_schedule(name)
-            fields = definition.to_row()
-            if row is None:
-                row = WorkflowSchedule(
-                    name=name, created_at=now, paused=definition.paused, **fields
-                )
-                out.created.append(name)
-                retime = True
-            else:
-                retime = any(getattr(row, f) != fields[f] for f in _TIMING_FIELDS)
-                for key, value in fields.items():
-                    setattr(row, key, value)
-                if row.orphaned and row.pause_reason == ORPHANED:
-                    row.paused, row.pause_reason = False, ""
-                    retime = True
-                row.orphaned = False
-                out.updated.append(name)
-            row.definition_hash = digest
-            row.updated_at = now
-            if error:
-                row.last_error = error
-                row.next_scheduled_at = row.next_fire_at = None
-                out.errors[name] = error
-                logger.error("Schedule %s is not fired: %s", name, error)
-            elif retime or row.next_scheduled_at is None:
-                row.last_error = ""
-                _set_next(row, definition, definition.next_after(now))
-            row.save()
+        try:
+            _sync_one(kernel, definition, digest, error, now, out)
+        except IntegrityError:  # another process created the row at the same moment
+            logger.info("Schedule %s was created concurrently; synced next tick", name)
+    if not len(kernel.registry):
+        # A process that loaded no workflow at all (autodiscovery did not run) is no authority
+        # on which definitions exist: orphan nothing.
+        return out
     for name, (_, orphaned) in stored.items():
         if name not in definitions and not orphaned:
             WorkflowSchedule.objects.filter(pk=name).update(
@@ -199,6 +178,44 @@ def sync_schedules(kernel: Kernel) -> SyncResult:
             )
             out.orphaned.append(name)
     return out
+
+
+def _sync_one(
+    kernel: Kernel,
+    definition: ScheduleDefinition,
+    digest: str,
+    error: str,
+    now: datetime,
+    out: SyncResult,
+) -> None:
+    name = definition.name
+    with transaction.atomic():
+        row = lock_schedule(name)
+        fields = definition.to_row()
+        if row is None:
+            row = WorkflowSchedule(name=name, created_at=now, paused=definition.paused, **fields)
+            created = retime = True
+        else:
+            created = False
+            retime = any(getattr(row, f) != fields[f] for f in _TIMING_FIELDS)
+            for key, value in fields.items():
+                setattr(row, key, value)
+            if row.orphaned and row.pause_reason == ORPHANED:
+                row.paused, row.pause_reason = False, ""
+                retime = True
+            row.orphaned = False
+        row.definition_hash = digest
+        row.updated_at = now
+        if error:
+            row.last_error = error
+            row.next_scheduled_at = row.next_fire_at = None
+            out.errors[name] = error
+            logger.error("Schedule %s is not fired: %s", name, error)
+        elif retime or row.next_scheduled_at is None:
+            row.last_error = ""
+            _set_next(row, definition, definition.next_after(now))
+        row.save(force_insert=created)
+    (out.created if created else out.updated).append(name)
 
 
 def _set_next(row: WorkflowSchedule, definition: ScheduleDefinition, when: datetime | None) -> None:
@@ -305,10 +322,15 @@ def _due_times(
 def _fire(kernel: Kernel, row: WorkflowSchedule, now: datetime, out: FireResult) -> None:
     """Fire one locked, due row (see :func:`fire_due_schedules`)."""
     definition = definition_from_row(row)
-    if row.buffered_at is not None and not _previous_live(row):
-        _run_firing(kernel, row, row.buffered_at, now, out)
-        row.buffered_at = None
-    if row.next_fire_at is not None and row.next_fire_at <= now:
+    due = row.next_fire_at is not None and row.next_fire_at <= now
+    if row.buffered_at is not None:
+        if _previous_live(row):
+            if not due:
+                return  # the buffered firing waits for the live run: nothing to write
+        else:
+            _run_firing(kernel, row, row.buffered_at, now, out)
+            row.buffered_at = None
+    if due:
         times, passed, upcoming = _due_times(definition, row, now)
         out.skipped += passed
         row.skipped_count += passed
@@ -385,12 +407,18 @@ def fire_due_schedules(
         .values_list("name", flat=True)[:limit]
     )
     for name in names:
-        with transaction.atomic():
-            row = lock_due_schedule(name, now)
-            if row is None:
-                continue  # another tick holds it or fired it meanwhile
-            out.schedules += 1
-            _fire(kernel, row, now, out)
+        try:
+            with transaction.atomic():
+                row = lock_due_schedule(name, now)
+                if row is None:
+                    continue  # another tick holds it or fired it meanwhile
+                out.schedules += 1
+                _fire(kernel, row, now, out)
+        except DatabaseError:
+            raise  # the tick's step boundary reconnects and retries
+        except Exception:  # one broken schedule must not stop the others
+            out.errors += 1
+            logger.exception("Firing schedule %s failed", name)
     return out
 
 

@@ -205,7 +205,13 @@ class TickerDuty:
                 self._next_tick = now + float(workflow_settings.TICK_INTERVAL_SECONDS)
                 # A tick or flush skipped because another process holds its lease (maybe a
                 # dead one, until the lease expires) did not flush the last run's events.
-                if not live and not tick.skipped and not tick.flush_skipped:
+                # A tick that fired schedules made runs live: keep ticking for them.
+                if (
+                    not live
+                    and not tick.skipped
+                    and not tick.flush_skipped
+                    and not tick.schedule_runs
+                ):
                     self._drop(release=True)
                     self._next_check = now + check
                     return check

@@ -513,3 +513,48 @@ def test_bad_name_and_workflow() -> None:
         define_schedule("no spaces", "nightly", every=60)
     with pytest.raises(ScheduleDefinitionError, match=r"^workflow:"):
         define_schedule("s", 42, every=60)  # type: ignore[arg-type]
+
+
+def test_a_due_schedule_makes_a_supervisor_take_the_ticker_and_fire_it() -> None:
+    from django_workflows.kernel.supervisor import TickerDuty
+
+    every = define_schedule("duty", "nightly", every=600, input={"value": 1})
+    kernel = _kernel(datetime(2025, 6, 2, 9, 0, 30, tzinfo=UTC), every)
+    sync_schedules(kernel)
+    duty = TickerDuty(lambda: kernel, "supervisor-1")
+    duty.run(0.0)
+    assert not duty.holding  # nothing live, the schedule due in 9.5 minutes
+    kernel.clock.set(datetime(2025, 6, 2, 9, 10, 0, 500_000, tzinfo=UTC))
+    duty.poke()
+    duty.run(1.0)
+    assert WorkflowRun.objects.count() == 1  # took the ticker and fired within one cycle
+    assert duty.holding  # it keeps the ticker for the run it started
+
+
+def test_a_process_without_workflows_orphans_nothing() -> None:
+    every = define_schedule("keep", "nightly", every=600, input={"value": 1})
+    kernel = _kernel(datetime(2025, 6, 2, 9, 0, 30, tzinfo=UTC), every)
+    sync_schedules(kernel)
+    empty = make_kernel(clock=kernel.clock)  # no workflows loaded (autodiscovery missing)
+    assert sync_schedules(empty).orphaned == []
+    assert not WorkflowSchedule.objects.get().orphaned
+
+
+def test_a_broken_schedule_does_not_stop_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    from django_workflows.kernel import schedules
+
+    a = define_schedule("a-broken", "nightly", every=60, input={"value": 1})
+    b = define_schedule("b-fine", "nightly", every=60, input={"value": 1})
+    kernel = _kernel(datetime(2025, 6, 2, 9, 0, 30, tzinfo=UTC), a, b)
+    fire_due_schedules(kernel)
+    real = schedules._fire
+
+    def fire(kernel: Kernel, row: Any, now: datetime, out: Any) -> None:
+        if row.name == "a-broken":
+            raise RuntimeError("bug")
+        real(kernel, row, now, out)
+
+    monkeypatch.setattr(schedules, "_fire", fire)
+    kernel.clock.advance(60)
+    result = fire_due_schedules(kernel)
+    assert (result.errors, result.started) == (1, 1)
