@@ -114,9 +114,10 @@ class FireResult:
         return asdict(self)
 
 
-def definition_hash(definition: ScheduleDefinition) -> str:
-    """sha256 of a definition's stored fields (a changed definition is re-synced)."""
-    data = json.dumps(definition.to_row(), sort_keys=True, cls=DjangoJSONEncoder)
+def definition_hash(definition: ScheduleDefinition, error: str = "") -> str:
+    """sha256 of a definition's stored fields and its validation ``error`` (a changed
+    definition, or one whose validity changed, is re-synced)."""
+    data = json.dumps([definition.to_row(), error], sort_keys=True, cls=DjangoJSONEncoder)
     return hashlib.sha256(data.encode()).hexdigest()
 
 
@@ -159,10 +160,12 @@ def sync_schedules(kernel: Kernel) -> SyncResult:
     }
     now = kernel.clock.now()
     for name, definition in definitions.items():
-        digest = definition_hash(definition)
+        # The hash covers the validation outcome too: a deploy that makes the workflow accept
+        # (or refuse) the schedule's input re-syncs the row although the schedule is unchanged.
+        error = _validate(kernel, definition)
+        digest = definition_hash(definition, error)
         if name in stored and stored[name] == (digest, False):
             continue
-        error = _validate(kernel, definition)
         try:
             _sync_one(kernel, definition, digest, error, now, out)
         except IntegrityError:  # another process created the row at the same moment

@@ -16,6 +16,8 @@ from django_workflows import (
     ScheduleDefinitionError,
     backfill_schedule,
     define_schedule,
+    define_stage,
+    define_workflow,
     pause_schedule,
     resume_schedule,
     trigger_schedule,
@@ -34,6 +36,8 @@ from django_workflows.kernel.supervisor import ticker_needed
 from django_workflows.models import Status, WorkflowAnnotation, WorkflowRun, WorkflowSchedule
 from django_workflows.testing import FakeClock, make_kernel, run_to_completion
 from tests.workflows import two_stage
+
+_anything = define_stage(id="anything", execute=lambda ctx: {"ok": True})
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -471,6 +475,12 @@ def test_sync_records_a_definition_whose_input_does_not_fit_its_workflow() -> No
     assert row.next_fire_at is None and row.last_error.startswith("input:")
     kernel.clock.advance(3600)
     assert fire_due_schedules(kernel).started == 0
+    # A deploy whose workflow accepts the input (the schedule itself unchanged) re-syncs it.
+    kernel.registry.unregister("nightly")
+    kernel.registry.register(define_workflow(id="nightly").pipe(_anything).build())
+    assert sync_schedules(kernel).updated == ["bad"]
+    row.refresh_from_db()
+    assert row.last_error == "" and row.next_fire_at is not None
 
 
 # --- definition errors name the field ------------------------------------------------------------
