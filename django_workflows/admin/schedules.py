@@ -109,8 +109,7 @@ class WorkflowScheduleAdmin(ReadOnlyAdmin):
         "next_fire",
         "last_fired",
         "last_run",
-        "fired_count",
-        "skipped_count",
+        "counts",
         "error",
     )
     list_filter = (ScheduleStateFilter, "overlap", "catchup")
@@ -145,8 +144,16 @@ class WorkflowScheduleAdmin(ReadOnlyAdmin):
     readonly_fields = fields
 
     @admin.display(description="spec")
-    def spec(self, obj: WorkflowSchedule) -> str:
-        return obj.spec_text
+    def spec(self, obj: WorkflowSchedule) -> SafeString:
+        if obj.cron:
+            return format_html(
+                '<span class="dw-nowrap">cron <code>{}</code></span><br>{}', obj.cron, obj.tz
+            )
+        return format_html('<span class="dw-nowrap">{}</span>', obj.spec_text)
+
+    @admin.display(description="fired / skipped")
+    def counts(self, obj: WorkflowSchedule) -> str:
+        return f"{obj.fired_count} / {obj.skipped_count}"
 
     @admin.display(description="state")
     def state(self, obj: WorkflowSchedule) -> SafeString:
