@@ -559,7 +559,9 @@ def _outcome_transaction(
         else:
             stopping = stop is not None and stop.is_set()
             reserve_for = None if stopping else worker_id
-            following = _transition(kernel, d, run, stage_result, events, now, reserve_for, queues)
+            following = _transition(
+                kernel, d, run, stage_result, events, now, reserve_for, queues
+            )
         append_events(events, d.causation_id, now)
         fault_point("outcome.before_commit")
     fault_point("outcome.after_commit")
