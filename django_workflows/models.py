@@ -425,3 +425,76 @@ class MaintenanceLease(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} held by {self.owner}"
+
+
+class WorkflowSchedule(models.Model):
+    """A schedule that starts runs of a workflow at cron times or fixed intervals (issue 12).
+
+    Rows are synced from the code definitions (:func:`django_workflows.define_schedule`) by
+    the maintenance tick: definition fields are overwritten from code, the operator state
+    (``paused``) and the firing state are kept. A row whose definition disappeared is kept,
+    ``orphaned`` and paused, never deleted.
+
+    ``next_scheduled_at`` is the next scheduled time (the one in the firing's idempotency key
+    ``schedule:<name>:<iso time>``); ``next_fire_at`` is that time plus its deterministic
+    jitter: the tick fires the schedule once ``next_fire_at <= now``. ``buffered_at`` holds the
+    one firing an ``overlap="buffer_one"`` schedule keeps while its previous run is live.
+    """
+
+    name = models.CharField(primary_key=True, max_length=180)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+    workflow_id = models.CharField(max_length=200)
+    description = models.TextField(blank=True, default="")
+    cron = models.CharField(max_length=200, blank=True, default="")
+    every_seconds = models.FloatField(null=True, blank=True)
+    tz = models.CharField(max_length=64, default="UTC")
+    input = _json(default=dict, blank=True)
+    config = _json(default=dict, blank=True)
+    priority = models.IntegerField(default=5)
+    overlap = models.CharField(max_length=20, default="skip")
+    catchup = models.CharField(max_length=20, default="run_once")
+    catchup_window_seconds = models.FloatField(default=86400.0)
+    jitter_seconds = models.FloatField(default=0.0)
+    repeated_times = models.CharField(max_length=8, default="once")
+    anchor = models.DateTimeField()
+    #: sha256 of the code definition last synced (a changed definition is re-synced).
+    definition_hash = models.CharField(max_length=64, blank=True, default="")
+    paused = models.BooleanField(default=False)
+    #: Why it is paused: an operator's note, or ``orphaned`` (its definition disappeared).
+    pause_reason = models.CharField(max_length=500, blank=True, default="")
+    orphaned = models.BooleanField(default=False)
+    next_scheduled_at = models.DateTimeField(null=True, blank=True)
+    next_fire_at = models.DateTimeField(null=True, blank=True)
+    buffered_at = models.DateTimeField(null=True, blank=True)
+    last_scheduled_at = models.DateTimeField(null=True, blank=True)
+    last_fired_at = models.DateTimeField(null=True, blank=True)
+    last_run_id = models.UUIDField(null=True, blank=True)
+    fired_count = models.PositiveBigIntegerField(default=0)
+    skipped_count = models.PositiveBigIntegerField(default=0)
+    #: The last firing error (a run that could not be created), or ``""``.
+    last_error = models.TextField(blank=True, default="")
+
+    class Meta:
+        db_table = "workflow_schedules"
+        ordering = ["name"]
+        indexes = [
+            # The tick's due scan and the ticker's EXISTS: unpaused, next_fire_at <= now.
+            models.Index(fields=["paused", "next_fire_at"], name="wf_schedule_due_idx"),
+        ]
+        permissions = [
+            ("pause_workflowschedule", "Can pause and resume workflow schedules"),
+            ("trigger_workflowschedule", "Can trigger a workflow schedule now"),
+            ("backfill_workflowschedule", "Can backfill a workflow schedule over a time range"),
+        ]
+
+    def __str__(self) -> str:
+        return f"schedule {self.name} ({self.workflow_id})"
+
+    @property
+    def spec_text(self) -> str:
+        """``"cron 0 * * * * (Europe/Berlin)"`` or ``"every 900s"``."""
+        if self.cron:
+            return f"cron {self.cron} ({self.tz})"
+        seconds = self.every_seconds or 0
+        return f"every {int(seconds) if seconds == int(seconds) else seconds}s"

@@ -8,6 +8,8 @@
   approve / reject a waiting approval, attach an annotation; replay one, the selected or all
   dead letters, skip one. Each has a confirmation page, a reason or note, a History record and
   its own permission (the custom permissions the HTTP API uses).
+* Schedules (:mod:`.schedules`): next fire times, state, last run; pause, resume, trigger now
+  and backfill, with the same confirmation / History / permission flow.
 * Jobs, outbox events, logs, annotations and idempotency keys (:mod:`.records`): read-only
   lists with exact-match search and bounded filters.
 
@@ -25,6 +27,7 @@ from .records import (
     WorkflowLogAdmin,
 )
 from .runs import WorkflowRunAdmin
+from .schedules import WorkflowScheduleAdmin
 
 __all__ = [
     "IdempotencyKeyAdmin",
@@ -33,4 +36,5 @@ __all__ = [
     "WorkflowJobAdmin",
     "WorkflowLogAdmin",
     "WorkflowRunAdmin",
+    "WorkflowScheduleAdmin",
 ]

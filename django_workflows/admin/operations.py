@@ -9,7 +9,8 @@ message. Nothing here writes a status column itself (ARCHITECTURE §2).
 Permissions (custom, created by migration 0006 and shared with the HTTP API,
 ``django_workflows.api.permissions``): ``cancel_workflowrun``, ``rerun_workflowrun``,
 ``approve_workflowrun``, ``annotate_workflowrun``, ``replay_outboxevent``, ``skip_outboxevent``;
-each operation also needs the view permission of its model.
+``pause_workflowschedule``, ``trigger_workflowschedule``, ``backfill_workflowschedule``
+(migration 0012); each operation also needs the view permission of its model.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ PERMISSIONS: dict[str, str] = {
     "annotate": "annotate_workflowrun",
     "replay": "replay_outboxevent",
     "skip": "skip_outboxevent",
+    "pause": "pause_workflowschedule",
+    "trigger": "trigger_workflowschedule",
+    "backfill": "backfill_workflowschedule",
 }
 
 

@@ -16,6 +16,10 @@ route                           permissions
 ``POST runs/{id}/annotations/`` ``annotate_workflowrun``
 ``GET runs/{id}/events/``       ``view_workflowrun`` + ``view_outboxevent``
 ``GET runs/{id}/logs/``         ``view_workflowrun`` + ``view_workflowlog``
+``GET schedules/...``           ``view_workflowschedule``
+``POST schedules/{n}/pause|resume/`` ``pause_workflowschedule``
+``POST schedules/{n}/trigger/``  ``trigger_workflowschedule``
+``POST schedules/{n}/backfill/`` ``backfill_workflowschedule``
 ==============================  =================================================
 
 The custom permissions (``cancel_``, ``rerun_``, ``approve_``, ``annotate_workflowrun``) are

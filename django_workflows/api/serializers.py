@@ -482,3 +482,97 @@ class LogSerializer(serializers.Serializer):
 class LogListSerializer(serializers.Serializer):
     results = LogSerializer(many=True)
     next_after = serializers.IntegerField()
+
+
+# --- schedules (issue 12) ----------------------------------------------------------------------
+
+
+class AwareDateTimeField(serializers.DateTimeField):
+    """An ISO-8601 date-time with a UTC offset (a naive one is refused, not guessed), in the
+    years 1900-9000."""
+
+    def to_internal_value(self, value: Any) -> Any:
+        from django.utils.dateparse import parse_datetime
+
+        if not isinstance(value, str):
+            self.fail("invalid", format="ISO-8601 with offset")
+        try:
+            parsed = parse_datetime(value)
+        except ValueError:
+            parsed = None
+        if parsed is None or parsed.utcoffset() is None:
+            raise serializers.ValidationError(
+                "expected an ISO-8601 date-time with a UTC offset (e.g. 2025-01-01T00:00:00Z)"
+            )
+        if not 1900 <= parsed.year <= 9000:
+            raise serializers.ValidationError("the year must be between 1900 and 9000")
+        return parsed
+
+
+class SchedulePauseSerializer(BodySerializer):
+    reason = StrictCharField(max_length=500, required=False, allow_null=True, allow_blank=True)
+
+
+class EmptyBodySerializer(BodySerializer):
+    """A body with no members (``{}`` or none)."""
+
+
+class ScheduleBackfillSerializer(BodySerializer):
+    start = AwareDateTimeField(help_text="first scheduled time to backfill (inclusive)")
+    end = AwareDateTimeField(help_text="last scheduled time to backfill (inclusive)")
+
+
+class ScheduleSerializer(serializers.Serializer):
+    """A schedule row with its firing state."""
+
+    name = serializers.CharField()
+    workflow_id = serializers.CharField()
+    description = serializers.CharField(allow_blank=True)
+    spec = serializers.CharField(help_text='"cron <expr> (<tz>)" or "every <n>s"')
+    cron = serializers.CharField(allow_null=True)
+    every_seconds = serializers.FloatField(allow_null=True)
+    tz = serializers.CharField()
+    input = serializers.DictField()
+    config = serializers.DictField()
+    priority = serializers.IntegerField()
+    overlap = serializers.ChoiceField(
+        choices=["skip", "buffer_one", "allow_all", "cancel_previous"]
+    )
+    catchup = serializers.ChoiceField(choices=["skip", "run_once", "run_all"])
+    catchup_window_seconds = serializers.FloatField()
+    jitter_seconds = serializers.FloatField()
+    paused = serializers.BooleanField()
+    pause_reason = serializers.CharField(allow_blank=True)
+    orphaned = serializers.BooleanField(help_text="its definition disappeared from code")
+    next_scheduled_at = serializers.DateTimeField(allow_null=True)
+    next_fire_at = serializers.DateTimeField(allow_null=True, help_text="scheduled time + jitter")
+    last_scheduled_at = serializers.DateTimeField(allow_null=True)
+    last_fired_at = serializers.DateTimeField(allow_null=True)
+    last_run_id = serializers.UUIDField(allow_null=True)
+    last_run = serializers.CharField(allow_null=True, help_text="URL of the last run")
+    fired_count = serializers.IntegerField()
+    skipped_count = serializers.IntegerField()
+    last_error = serializers.CharField(allow_blank=True)
+    url = serializers.CharField()
+
+
+class ScheduleDetailSerializer(ScheduleSerializer):
+    upcoming = serializers.ListField(
+        child=serializers.DateTimeField(), help_text="the next scheduled times (up to 5)"
+    )
+
+
+class SchedulePauseResultSerializer(serializers.Serializer):
+    paused = serializers.BooleanField()
+    changed = serializers.BooleanField(help_text="false: it was in that state already")
+    next_fire_at = serializers.DateTimeField(allow_null=True)
+
+
+class ScheduleTriggerResultSerializer(serializers.Serializer):
+    workflow_run_id = serializers.UUIDField()
+
+
+class ScheduleBackfillResultSerializer(serializers.Serializer):
+    times = serializers.ListField(child=serializers.DateTimeField())
+    run_ids = serializers.ListField(child=serializers.UUIDField(), help_text="runs started")
+    existing = serializers.IntegerField(help_text="times whose run existed already")

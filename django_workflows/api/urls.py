@@ -14,6 +14,10 @@ route                                      what
 ``GET|POST runs/{id}/annotations/``        list / attach annotations
 ``GET runs/{id}/events/?after=&wait=``     events (long poll with ``wait``)
 ``GET runs/{id}/logs/``                    log lines
+``GET schedules/``, ``schedules/{name}/``   schedules, one schedule with its next times
+``POST schedules/{name}/pause/|resume/``   pause / resume
+``POST schedules/{name}/trigger/``         start one run now
+``POST schedules/{name}/backfill/``        one run per scheduled time in a range
 ``GET schema/``, ``GET docs/``             OpenAPI 3 schema, Swagger UI
 =========================================  =======================================
 
@@ -55,6 +59,24 @@ urlpatterns = [
         name="run-events",
     ),
     path("runs/<str:run_id>/logs/", views.RunLogsView.as_view(), name="run-logs"),
+    path("schedules/", views.ScheduleListView.as_view(), name="schedule-list"),
+    path("schedules/<str:name>/", views.ScheduleDetailView.as_view(), name="schedule-detail"),
+    path("schedules/<str:name>/pause/", views.SchedulePauseView.as_view(), name="schedule-pause"),
+    path(
+        "schedules/<str:name>/resume/",
+        views.ScheduleResumeView.as_view(),
+        name="schedule-resume",
+    ),
+    path(
+        "schedules/<str:name>/trigger/",
+        views.ScheduleTriggerView.as_view(),
+        name="schedule-trigger",
+    ),
+    path(
+        "schedules/<str:name>/backfill/",
+        views.ScheduleBackfillView.as_view(),
+        name="schedule-backfill",
+    ),
     path("schema/", WorkflowsSchemaView.as_view(), name="schema"),
     path("docs/", WorkflowsDocsView.as_view(url_name=f"{app_name}:schema"), name="docs"),
     re_path(r"^.*$", views.NotFoundView.as_view(), name="not-found"),

@@ -6,6 +6,7 @@ Nothing in this package imports Django models or the kernel.
 from .context import CompletionContext, MissingStageOutputError, StageContext
 from .registry import WorkflowRegistry, register, registry
 from .results import UNSET, CompletionCheck, StageFailed, StageResult, Suspend
+from .schedule import ScheduleDefinition, ScheduleDefinitionError, define_schedule
 from .stage import (
     NoConfig,
     NoInput,
@@ -35,6 +36,8 @@ __all__ = [
     "NoInput",
     "ParallelInput",
     "RetryPolicy",
+    "ScheduleDefinition",
+    "ScheduleDefinitionError",
     "Stage",
     "StageContext",
     "StageFailed",
@@ -46,6 +49,7 @@ __all__ = [
     "WorkflowDefinitionError",
     "WorkflowRegistry",
     "define_async_batch_stage",
+    "define_schedule",
     "define_stage",
     "define_workflow",
     "infer_stage_types",

@@ -11,16 +11,53 @@ Apps register their workflows in a ``workflows`` module, which the app config im
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, overload
 
 from .stage import WorkflowDefinitionError
 from .workflow import Workflow
 
+if TYPE_CHECKING:
+    from .schedule import ScheduleDefinition
+
 
 class WorkflowRegistry:
-    """A mapping of workflow ids to built workflows."""
+    """A mapping of workflow ids to built workflows, and of schedule names to schedule
+    definitions (:func:`~django_workflows.define_schedule`)."""
 
     def __init__(self) -> None:
         self._workflows: dict[str, Workflow] = {}
+        self._schedules: dict[str, ScheduleDefinition] = {}
+
+    def register_schedule(self, schedule: ScheduleDefinition) -> ScheduleDefinition:
+        """Add ``schedule`` (replacing a definition of the same name) and return it. Its input
+        and config are checked against its workflow when that is registered already.
+
+        Raises:
+            WorkflowDefinitionError: ``schedule`` is not a :class:`ScheduleDefinition`.
+            ScheduleDefinitionError: input or config invalid for the registered workflow.
+        """
+        from .schedule import ScheduleDefinition, check_against_workflow
+
+        if not isinstance(schedule, ScheduleDefinition):
+            raise WorkflowDefinitionError(
+                f"register_schedule() expects a ScheduleDefinition, got {schedule!r}"
+            )
+        workflow = self._workflows.get(schedule.workflow_id)
+        if workflow is not None:
+            check_against_workflow(schedule, workflow)
+        self._schedules[schedule.name] = schedule
+        return schedule
+
+    def unregister_schedule(self, name: str) -> None:
+        self._schedules.pop(name, None)
+
+    def get_schedule(self, name: str) -> ScheduleDefinition | None:
+        """The schedule definition named ``name`` or ``None``."""
+        return self._schedules.get(name)
+
+    def schedules(self) -> list[ScheduleDefinition]:
+        """The registered schedule definitions, by name."""
+        return [self._schedules[name] for name in sorted(self._schedules)]
 
     def register(self, workflow: Workflow) -> Workflow:
         """Add ``workflow`` and return it (so it can be used as an expression).
@@ -59,12 +96,23 @@ class WorkflowRegistry:
 
     def clear(self) -> None:
         self._workflows.clear()
+        self._schedules.clear()
 
 
 #: The process-wide registry filled by autodiscovery.
 registry = WorkflowRegistry()
 
 
-def register(workflow: Workflow) -> Workflow:
-    """Register ``workflow`` in the default registry. See :meth:`WorkflowRegistry.register`."""
+@overload
+def register(workflow: Workflow) -> Workflow: ...
+@overload
+def register(workflow: ScheduleDefinition) -> ScheduleDefinition: ...
+def register(workflow: Workflow | ScheduleDefinition) -> Workflow | ScheduleDefinition:
+    """Register a workflow (:meth:`WorkflowRegistry.register`) or a schedule
+    (:meth:`WorkflowRegistry.register_schedule`) in the default registry.
+    """
+    from .schedule import ScheduleDefinition
+
+    if isinstance(workflow, ScheduleDefinition):
+        return registry.register_schedule(workflow)
     return registry.register(workflow)

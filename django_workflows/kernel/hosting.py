@@ -4,9 +4,9 @@
   the run in one transaction (H-1..H-8).
 * :func:`process_available_jobs` - lease and deliver ready jobs until none is left or a limit
   is reached (H-42); the path itself is :mod:`django_workflows.kernel.delivery`.
-* :func:`run_maintenance_tick` - claim pending runs, poll suspended stages, reap stale leases,
-  flush the outbox, reap stuck runs; each step in its own error boundary (H-10, H-11), retried
-  once on a new connection after a dead one (:mod:`.connections`).
+* :func:`run_maintenance_tick` - fire due schedules, claim pending runs, poll suspended stages,
+  reap stale leases, flush the outbox, reap stuck runs; each step in its own error boundary
+  (H-10, H-11), retried once on a new connection after a dead one (:mod:`.connections`).
 
 The django-q2 transport, the ``workflows_tick`` command and the test kit all call these.
 """
@@ -122,6 +122,8 @@ class TickResult:
     events_flushed: int = 0
     stuck_reaped: int = 0
     workers_woken: int = 0
+    #: runs started by due schedules (:mod:`.schedules`)
+    schedule_runs: int = 0
     errors: int = 0
     skipped: bool = False
     #: the outbox flush did not run (another process held the ``outbox-flush`` lease)
@@ -134,6 +136,7 @@ class TickResult:
     def did_work(self) -> bool:
         return any(
             (
+                self.schedule_runs,
                 self.claimed,
                 self.resumed,
                 self.stale_released,
@@ -300,6 +303,11 @@ def _tick_steps(kernel: Kernel, worker_id: str, out: TickResult) -> None:
             out.errors += 1
             logger.exception("Maintenance step %s failed", name)
 
+    def fire_schedules() -> None:
+        from .schedules import fire_due_schedules
+
+        out.schedule_runs = fire_due_schedules(kernel).started
+
     def claim() -> None:
         res = kernel.dispatch(
             ClaimPendingRuns(worker_id, max_claims=int(workflow_settings.MAX_CLAIMS_PER_TICK))
@@ -338,6 +346,7 @@ def _tick_steps(kernel: Kernel, worker_id: str, out: TickResult) -> None:
     def wake_ready() -> None:
         out.workers_woken = wake_ready_jobs(kernel, older_than_seconds=WAKE_AFTER_SECONDS)
 
+    step("schedule.fire", fire_schedules)  # first: the runs it creates are claimed at once
     step("run.claimPending", claim)
     step("stage.pollSuspended", poll)
     step("lease.reapStale", reap_leases)

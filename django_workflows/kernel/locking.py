@@ -162,3 +162,32 @@ def try_lock_run(run_id: uuid.UUID) -> WorkflowRun | object | None:
     if run is None and WorkflowRun.objects.filter(pk=run_id).exists():
         return LOCKED
     return run
+
+
+def lock_due_schedule(name: str, now: Any) -> Any:
+    """Lock and return the ``WorkflowSchedule`` row ``name`` if it is unpaused and has a firing
+    due at ``now`` (``next_fire_at <= now`` or a buffered firing), else ``None``. On
+    PostgreSQL ``FOR UPDATE SKIP LOCKED``: a row another tick is firing is skipped, and after
+    that tick commits the due condition is judged on the advanced row. Needs a transaction.
+    """
+    from django.db import connection
+
+    from ..models import WorkflowSchedule
+
+    assert transaction.get_connection().in_atomic_block, "lock_due_schedule needs a transaction"
+    rows_ = WorkflowSchedule.objects.filter(pk=name, paused=False).filter(
+        Q(next_fire_at__lte=now) | Q(buffered_at__isnull=False)
+    )
+    if connection.features.has_select_for_update_skip_locked:
+        rows_ = rows_.select_for_update(skip_locked=True)
+    return rows_.first()
+
+
+def lock_schedule(name: str) -> Any:
+    """Lock and return the ``WorkflowSchedule`` row ``name`` (waiting for a tick that fires
+    it), or ``None``. Needs a transaction.
+    """
+    from ..models import WorkflowSchedule
+
+    assert transaction.get_connection().in_atomic_block, "lock_schedule needs a transaction"
+    return WorkflowSchedule.objects.select_for_update().filter(pk=name).first()

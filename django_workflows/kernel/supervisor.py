@@ -34,7 +34,7 @@ from django.db import close_old_connections, connection
 from django.db.models import Exists, OuterRef, QuerySet
 
 from ..conf import workflow_settings
-from ..models import MaintenanceLease, OutboxEvent, Status, WorkflowRun
+from ..models import MaintenanceLease, OutboxEvent, Status, WorkflowRun, WorkflowSchedule
 from . import leases
 from .connections import retry_on_disconnect
 from .delivery import in_flight
@@ -84,17 +84,19 @@ class Duty(Protocol):
 
 
 def ticker_needed(lease_clock: leases.LeaseClock) -> bool:
-    """Whether there is maintenance to do - a run PENDING or RUNNING, or an outbox event
-    waiting to be published - while nobody holds an unexpired ``ticker`` lease (expiry judged
-    in lease time, the database's clock). One query (``SELECT (EXISTS .. OR EXISTS ..) AND
-    NOT EXISTS ..``).
+    """Whether there is maintenance to do - a run PENDING or RUNNING, an outbox event
+    waiting to be published, or an unpaused schedule due (``next_fire_at`` passed; a schedule
+    due hours from now does not count) - while nobody holds an unexpired ``ticker`` lease
+    (expiry and due times judged in lease time, the database's clock). One query
+    (``SELECT (EXISTS .. OR EXISTS .. OR EXISTS ..) AND NOT EXISTS ..``).
 
     The outbox counts: a process that committed a run's last events and stopped (SIGTERM)
     before its flusher published them leaves work that no run shows.
     """
     held = MaintenanceLease.objects.filter(name=TICKER_LEASE, expires_at__gt=lease_clock.now())
-    parts = [_exists(_live_runs()), _exists(_outbox_backlog()), _exists(held)]
-    sql = f"SELECT ({parts[0][0]} OR {parts[1][0]}) AND NOT {parts[2][0]}"
+    due = WorkflowSchedule.objects.filter(paused=False, next_fire_at__lte=lease_clock.now())
+    parts = [_exists(_live_runs()), _exists(_outbox_backlog()), _exists(due), _exists(held)]
+    sql = f"SELECT ({parts[0][0]} OR {parts[1][0]} OR {parts[2][0]}) AND NOT {parts[3][0]}"
     with connection.cursor() as cursor:
         cursor.execute(sql, [p for _, params in parts for p in params])
         return bool(cursor.fetchone()[0])
@@ -203,7 +205,13 @@ class TickerDuty:
                 self._next_tick = now + float(workflow_settings.TICK_INTERVAL_SECONDS)
                 # A tick or flush skipped because another process holds its lease (maybe a
                 # dead one, until the lease expires) did not flush the last run's events.
-                if not live and not tick.skipped and not tick.flush_skipped:
+                # A tick that fired schedules made runs live: keep ticking for them.
+                if (
+                    not live
+                    and not tick.skipped
+                    and not tick.flush_skipped
+                    and not tick.schedule_runs
+                ):
                     self._drop(release=True)
                     self._next_check = now + check
                     return check
