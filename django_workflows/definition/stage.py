@@ -15,6 +15,7 @@ Async-batch stages also define ``check_completion(state, ctx)`` and return :clas
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,6 +97,19 @@ def to_json_value(value: Any) -> Any:
     return to_jsonable_python(value)
 
 
+def seconds_error(value: object) -> str | None:
+    """``None`` if ``value`` is ``None`` or a positive, finite number of seconds; else what is
+    wrong with it (used for ``timeout_seconds`` and ``queue_timeout_seconds``).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"must be a number of seconds or None, got {value!r}"
+    if not math.isfinite(value) or value <= 0:
+        return f"must be a positive, finite number of seconds, got {value!r}"
+    return None
+
+
 @dataclass(eq=False)
 class Stage:
     """A stage definition (WF-1). Build one with :func:`stage`, :func:`define_stage` or
@@ -113,6 +127,11 @@ class Stage:
         check_completion: ``check_completion(state, ctx) -> CompletionCheck`` (async-batch only).
         queue: the worker pool that runs the stage's jobs (default ``"default"``); mapped onto
             a django-q2 cluster by the ``QUEUES`` setting (see :mod:`..kernel.routing`).
+        timeout_seconds: the longest one delivery of ``execute`` may run (seconds, > 0), or
+            ``None``: ``DEFAULT_STAGE_TIMEOUT_SECONDS`` applies (issue 12 item 2; see
+            :mod:`..kernel.timeouts`).
+        queue_timeout_seconds: the longest a ready job of the stage may wait for a worker of
+            its ``queue`` (seconds, > 0), or ``None``: ``DEFAULT_QUEUE_TIMEOUT_SECONDS``.
     """
 
     id: str
@@ -127,6 +146,8 @@ class Stage:
     check_completion: Callable[..., Any] | None = None
     estimate_cost: Callable[[Any, Any], float] | None = None
     queue: str = DEFAULT_QUEUE
+    timeout_seconds: float | None = None
+    queue_timeout_seconds: float | None = None
     _defaults: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -158,6 +179,10 @@ class Stage:
                 f"Stage {self.id!r}: invalid queue {self.queue!r}: use 1-40 lower-case "
                 "letters, digits, '-' or '_', starting with a letter or digit"
             )
+        for attr in ("timeout_seconds", "queue_timeout_seconds"):
+            problem = seconds_error(getattr(self, attr))
+            if problem:
+                raise WorkflowDefinitionError(f"Stage {self.id!r}: {attr} {problem}")
         self.dependencies = tuple(self.dependencies)
         self._defaults = model_defaults(self.config_model)
 
@@ -237,6 +262,8 @@ def define_stage(
     dependencies: tuple[str, ...] | list[str] = (),
     estimate_cost: Callable[[Any, Any], float] | None = None,
     queue: str = DEFAULT_QUEUE,
+    timeout_seconds: float | None = None,
+    queue_timeout_seconds: float | None = None,
 ) -> Stage:
     """Define a synchronous stage (WF-5).
 
@@ -247,9 +274,15 @@ def define_stage(
         input / output / config: pydantic models; ``input=None`` takes no input (WF-6).
         queue: the worker pool that runs the stage (:data:`DEFAULT_QUEUE` unless named;
             :data:`QUEUE_PATTERN`); see :mod:`..kernel.routing`.
+        timeout_seconds: the longest one delivery may run (seconds, > 0); past it the
+            delivery fails with ``StageTimeout`` and is retried like any failure
+            (:mod:`..kernel.timeouts`). ``None``: ``DEFAULT_STAGE_TIMEOUT_SECONDS``.
+        queue_timeout_seconds: the longest a ready job may wait for a worker of ``queue``
+            (seconds, > 0); past it the stage and run fail naming the queue. ``None``:
+            ``DEFAULT_QUEUE_TIMEOUT_SECONDS``.
 
     Raises:
-        WorkflowDefinitionError: a malformed id, model or queue name.
+        WorkflowDefinitionError: a malformed id, model, queue name or timeout.
     """
     return Stage(
         id=id,
@@ -262,6 +295,8 @@ def define_stage(
         dependencies=tuple(dependencies),
         estimate_cost=estimate_cost,
         queue=queue,
+        timeout_seconds=timeout_seconds,
+        queue_timeout_seconds=queue_timeout_seconds,
     )
 
 
@@ -277,6 +312,8 @@ def define_async_batch_stage(
     description: str = "",
     dependencies: tuple[str, ...] | list[str] = (),
     queue: str = DEFAULT_QUEUE,
+    timeout_seconds: float | None = None,
+    queue_timeout_seconds: float | None = None,
 ) -> Stage:
     """Define an async-batch stage (WF-5, WF-7).
 
@@ -284,6 +321,12 @@ def define_async_batch_stage(
     ``check_completion(state, ctx)`` (outside any transaction) until it returns a ready or failed
     :class:`CompletionCheck` (SPEC §4.7). ``queue``: as for :func:`define_stage` (the
     ``execute`` delivery runs on that pool; ``check_completion`` runs in the maintenance tick).
+    ``timeout_seconds`` / ``queue_timeout_seconds``: as for :func:`define_stage`; they bound
+    each delivery of ``execute`` (the wait for the batch is bounded by ``Suspend``'s
+    ``max_wait_seconds``, not by these).
+
+    Raises:
+        WorkflowDefinitionError: a malformed id, model, queue name or timeout.
     """
     return Stage(
         id=id,
@@ -297,6 +340,8 @@ def define_async_batch_stage(
         mode="async-batch",
         check_completion=check_completion,
         queue=queue,
+        timeout_seconds=timeout_seconds,
+        queue_timeout_seconds=queue_timeout_seconds,
     )
 
 
@@ -310,10 +355,17 @@ def stage(
     description: str = "",
     dependencies: tuple[str, ...] | list[str] = (),
     queue: str = DEFAULT_QUEUE,
+    timeout_seconds: float | None = None,
+    queue_timeout_seconds: float | None = None,
 ) -> Callable[[Callable[..., Any]], Stage]:
     """Decorator form of :func:`define_stage`; the decorated function becomes ``execute``.
 
     ``queue``: the worker pool that runs the stage, e.g. ``@stage(id="embed", queue="gpu")``.
+    ``timeout_seconds`` / ``queue_timeout_seconds``: see :func:`define_stage`, e.g.
+    ``@stage(id="embed", queue="gpu", timeout_seconds=600, queue_timeout_seconds=60)``.
+
+    Raises:
+        WorkflowDefinitionError: a malformed id, model, queue name or timeout (at decoration).
     """
 
     def wrap(fn: Callable[..., Any]) -> Stage:
@@ -327,6 +379,8 @@ def stage(
             description=description or (fn.__doc__ or "").strip().split("\n")[0],
             dependencies=dependencies,
             queue=queue,
+            timeout_seconds=timeout_seconds,
+            queue_timeout_seconds=queue_timeout_seconds,
         )
 
     return wrap
