@@ -392,3 +392,51 @@ def test_no_queue_wait_query_while_no_stage_has_a_limit(kernel_for: Any) -> None
     with CaptureQueriesContext(connection) as queries:
         assert timeouts.fail_unstarted_jobs(kernel) == 0
     assert len(queries) == 0
+
+
+# --- system check -------------------------------------------------------------------------------
+
+
+def test_check_warns_when_django_q2_timeout_is_not_above_a_stage_timeout_plus_grace(
+    settings: Any,
+) -> None:
+    from django_workflows.checks import check_settings, check_stage_timeouts
+    from django_workflows.definition.registry import registry
+
+    long = define_stage(id="long", execute=lambda c: None, timeout_seconds=100)
+    gpu = define_stage(id="gpu", execute=lambda c: None, timeout_seconds=20, queue="gpu")
+    registry.register(define_workflow(id="t-check").pipe(long).pipe(gpu).build())
+    try:
+        settings.Q_CLUSTER = {**settings.Q_CLUSTER, "timeout": 104, "retry": 200}
+        settings.DJANGO_WORKFLOWS = {
+            **settings.DJANGO_WORKFLOWS,
+            "STAGE_TIMEOUT_GRACE_SECONDS": 5,
+            "QUEUES": {"gpu": "gpu"},
+        }
+        settings.Q_CLUSTER = {**settings.Q_CLUSTER, "ALT_CLUSTERS": {"gpu": {"timeout": 25}}}
+        found = check_stage_timeouts()
+        assert [m.id for m in found] == ["django_workflows.W003", "django_workflows.W003"]
+        from django_workflows.kernel.routing import default_cluster
+
+        default = next(m.msg for m in found if f"{default_cluster()!r}" in m.msg)
+        assert "t-check/long (100 s)" in default and "104 s" in default
+        assert "t-check/gpu (20 s)" in next(m.msg for m in found if "'gpu'" in m.msg)
+        settings.Q_CLUSTER = {
+            **settings.Q_CLUSTER,
+            "timeout": 106,
+            "ALT_CLUSTERS": {"gpu": {"timeout": 26}},
+        }
+        assert check_stage_timeouts() == []
+        settings.DJANGO_WORKFLOWS = {
+            **settings.DJANGO_WORKFLOWS,
+            "DEFAULT_STAGE_TIMEOUT_SECONDS": 0,
+            "DEFAULT_QUEUE_TIMEOUT_SECONDS": "60",
+            "STAGE_TIMEOUT_GRACE_SECONDS": -1,
+        }
+        errors = [m for m in check_settings() if m.id == "django_workflows.E002"]
+        text = " | ".join(m.msg for m in errors)
+        assert "STAGE_TIMEOUT_GRACE_SECONDS" in text
+        assert "DEFAULT_STAGE_TIMEOUT_SECONDS'] must be a positive" in text
+        assert "DEFAULT_QUEUE_TIMEOUT_SECONDS'] must be a number of seconds or None" in text
+    finally:
+        registry.unregister("t-check")
