@@ -218,3 +218,15 @@ def describe(stage: Stage) -> dict[str, Any]:
         "timeout_seconds": stage_timeout_seconds(stage),
         "queue_timeout_seconds": queue_timeout_seconds(stage),
     }
+
+
+def text(stage: Stage) -> str:
+    """``"timeout 600 s, queue wait 60 s"``: the stage's effective timeouts for listings
+    (``workflows_list``, the admin's stage table); ``""`` when it has none."""
+    limits = describe(stage)
+    parts = []
+    if limits["timeout_seconds"] is not None:
+        parts.append(f"timeout {limits['timeout_seconds']:g} s")
+    if limits["queue_timeout_seconds"] is not None:
+        parts.append(f"queue wait {limits['queue_timeout_seconds']:g} s")
+    return ", ".join(parts)

@@ -440,3 +440,50 @@ def test_check_warns_when_django_q2_timeout_is_not_above_a_stage_timeout_plus_gr
         assert "DEFAULT_QUEUE_TIMEOUT_SECONDS'] must be a number of seconds or None" in text
     finally:
         registry.unregister("t-check")
+
+
+# --- where stages are shown ---------------------------------------------------------------------
+
+
+def test_workflows_list_admin_and_api_show_the_timeouts(admin_client: Any) -> None:
+    import json
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    from django_workflows.definition.registry import registry
+    from django_workflows.kernel.runtime import get_kernel
+
+    timed = define_stage(
+        id="timed",
+        input=Num,
+        output=Num,
+        execute=lambda c: c.input,
+        timeout_seconds=600,
+        queue_timeout_seconds=60,
+    )
+    registry.register(define_workflow(id="t-shown", input=Num).pipe(timed).pipe(add(1)).build())
+    try:
+        out = StringIO()
+        call_command("workflows_list", stdout=out)
+        [line] = [x for x in out.getvalue().splitlines() if x.strip().startswith("1  timed")]
+        assert line.endswith("(timeout 600 s, queue wait 60 s)")
+        [add_line] = [x for x in out.getvalue().splitlines() if x.strip().startswith("2  add-1")]
+        assert "timeout" not in add_line
+        out = StringIO()
+        call_command("workflows_list", "--json", stdout=out)
+        [doc] = [w for w in json.loads(out.getvalue())["workflows"] if w["id"] == "t-shown"]
+        assert doc["stages"][0]["timeout_seconds"] == 600
+        assert doc["stages"][1]["queue_timeout_seconds"] is None
+
+        from django_workflows.api.views import definition_document
+
+        stage_doc = definition_document(registry.get("t-shown"))["execution_groups"][0]
+        assert stage_doc["stages"][0]["timeout_seconds"] == 600
+
+        run_id = get_kernel().dispatch(CreateRun("t-shown", {"value": 1})).workflow_run_id
+        page = admin_client.get(f"/admin/django_workflows/workflowrun/{run_id}/change/")
+        assert page.status_code == 200
+        assert "timeout 600 s, queue wait 60 s" in page.content.decode()
+    finally:
+        registry.unregister("t-shown")
