@@ -9,6 +9,10 @@ the run, and the later stage must run on the same cluster. The three bodies that
 must have their worker process recycled (it no longer exists; django-q2 started another);
 the polite one keeps its process, and its late result is discarded. A run whose every delivery
 overruns fails after its two attempts. Django-q2's own ``timeout`` (600 s) never fires.
+
+The queue-wait limit: with ``DEFAULT_QUEUE_TIMEOUT_SECONDS`` set and only the default cluster
+running, ``routed-pipeline``'s ``embed`` job (queue ``gpu``) is failed by the ticker's
+maintenance tick, naming the missing queue; its run fails, the stage before it completed.
 """
 
 from __future__ import annotations
@@ -123,3 +127,38 @@ def test_overrunning_stages_time_out_are_retried_and_their_workers_recycled(
     assert_runs_completed(state, f"{state}\n{cluster.log()[-3000:]}")
     wait_for(lambda: cluster.running, timeout=1)
     print(f"stage timeouts: {len(runs)} runs settled in {elapsed:.1f} s")
+
+
+def test_a_job_no_worker_of_its_queue_picks_up_fails_naming_the_queue(
+    project: Callable[..., dict[str, str]],
+    clusters: Callable[..., Cluster],
+    tmp_path: Path,
+) -> None:
+    crash_dir = tmp_path / "crash"
+    crash_dir.mkdir()
+    env = project(
+        EXTRA_INSTALLED_APPS="tests.acceptance.crashapp",
+        CRASH_DIR=str(crash_dir),
+        WORKFLOWS_QUEUES="gpu=gpu",
+        WORKFLOWS_DEFAULT_QUEUE_TIMEOUT="6",
+        Q_WORKERS="2",
+    )
+    cluster = clusters(env)  # the default cluster only: nobody serves "gpu"
+    began = time.monotonic()
+    run_ids = create_runs(env, "routed-pipeline", [{"n": 1}, {"n": 2}])
+    runs = settle_runs(env, run_ids, timeout=60)
+    elapsed = time.monotonic() - began
+    context = f"{runs}\n--- qcluster ---\n{cluster.log()[-3000:]}"
+    message = (
+        "QueueTimeout: no worker of queue 'gpu' picked up the job within 6 s (stage 'embed', "
+        "queue_timeout_seconds=6); is a worker of that queue running?"
+    )
+    assert_outbox_gap_free(runs, context)
+    for run in runs.values():
+        assert run["status"] == "FAILED", context
+        assert run["stages"] == {"prep": "COMPLETED", "embed": "FAILED"}, context
+        embed = next(j for j in run["jobs"] if j[0] == "embed")
+        assert (embed[1], embed[2], embed[3]) == ("FAILED", 0, message), context
+        assert ("stage:failed", "embed") in [(e[1], e[2]) for e in run["events"]], context
+    assert 6 <= elapsed < 40, context
+    print(f"queue-wait limit: {len(runs)} runs failed {elapsed:.1f} s after creation")
