@@ -409,6 +409,11 @@ def execute(kernel: Kernel, delivery: Delivery) -> tuple[ExecutionOutcome, Kerne
     A stage stopped by django-q2's ``timeout`` (its ``TimeoutException``, a ``SystemExit``
     raised by SIGALRM) becomes a failed outcome naming that timeout, with the exception kept
     in ``outcome.stopped`` so :func:`deliver` re-raises it once the outcome committed.
+
+    A stage with a timeout (:func:`.timeouts.stage_timeout_seconds`) is watched by the
+    heartbeat (:meth:`Heartbeat.watch`): a delivery that passed its deadline returns the
+    ``StageTimeout`` failure instead of what the body returned or raised, and a body still
+    running after the grace has that failure committed for it (:func:`_commit_overdue`).
     """
     d = delivery
     _executed.note(d.job.pk, d.job.attempt)
@@ -834,6 +839,7 @@ class Heartbeat:
         #: Set once the grace ended with the body still running (``on_overdue`` was called).
         self.overdue = threading.Event()
         self._on_overdue: Callable[[], None] | None = None
+        self._beater: _Beater | None = None
 
     def watch(self, timeout_seconds: float, on_overdue: Callable[[], None]) -> Heartbeat:
         """Watch a stage timeout (:mod:`.timeouts`): ``timeout_seconds`` after the block is
@@ -890,7 +896,8 @@ class Heartbeat:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._beater.remove(self)
+        if self._beater is not None:
+            self._beater.remove(self)
         if self.run_id is not None:
             forget_run(self.run_id)
 
