@@ -9,6 +9,7 @@ from django.core.checks import Error, Warning, register
 from django.utils.module_loading import import_string
 
 from .conf import DEFAULTS, workflow_settings
+from .definition.stage import seconds_error
 
 
 @register()
@@ -33,6 +34,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
         "SUPERVISOR_INTERVAL_SECONDS",
         "TICKER_LEASE_SECONDS",
         "STOP_GRACE_SECONDS",
+        "STAGE_TIMEOUT_GRACE_SECONDS",
     ):
         value = getattr(workflow_settings, name)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
@@ -41,6 +43,12 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                     f"DJANGO_WORKFLOWS['{name}'] must be a positive number, got {value!r}",
                     id="django_workflows.E002",
                 )
+            )
+    for name in ("DEFAULT_STAGE_TIMEOUT_SECONDS", "DEFAULT_QUEUE_TIMEOUT_SECONDS"):
+        problem = seconds_error(getattr(workflow_settings, name))
+        if problem:
+            messages.append(
+                Error(f"DJANGO_WORKFLOWS['{name}'] {problem}", id="django_workflows.E002")
             )
     if (
         isinstance(workflow_settings.HEARTBEAT_INTERVAL_SECONDS, int | float)
@@ -93,6 +101,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                 )
             )
     messages += check_routing()
+    messages += check_stage_timeouts()
     for alias, db in settings.DATABASES.items():
         if db.get("ENGINE", "").endswith("sqlite3"):
             mode = (db.get("OPTIONS") or {}).get("transaction_mode")
@@ -149,3 +158,59 @@ def check_routing() -> list[Any]:
                     )
                 )
     return messages
+
+
+def cluster_timeout_seconds(cluster: str) -> float | None:
+    """django-q2's ``timeout`` of ``cluster`` (seconds): its ``Q_CLUSTER['ALT_CLUSTERS']``
+    entry's, else ``Q_CLUSTER['timeout']``; ``None`` when unset (django-q2 never stops a task).
+    """
+    q = getattr(settings, "Q_CLUSTER", None) or {}
+    alt = q.get("ALT_CLUSTERS") if isinstance(q.get("ALT_CLUSTERS"), dict) else {}
+    own = alt.get(cluster) if isinstance(alt.get(cluster), dict) else {}
+    value = own.get("timeout", q.get("timeout"))
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def check_stage_timeouts() -> list[Any]:
+    """Stage timeouts (issue 12 item 2): ``W003`` for a stage whose ``timeout_seconds`` (or
+    ``DEFAULT_STAGE_TIMEOUT_SECONDS``) plus ``STAGE_TIMEOUT_GRACE_SECONDS`` is not below the
+    django-q2 ``timeout`` of the cluster serving its queue (``Q_CLUSTER['timeout']``, or the
+    cluster's ``ALT_CLUSTERS`` entry): django-q2 would kill the worker before the stage
+    timeout, and the failure would name django-q2's timeout instead of the stage's.
+    """
+    if "django_q" not in settings.INSTALLED_APPS or not getattr(settings, "Q_CLUSTER", None):
+        return []
+    from django.core.exceptions import ImproperlyConfigured
+
+    from .definition.registry import registry
+    from .kernel import routing, timeouts
+
+    try:
+        grace = timeouts.grace_seconds()
+        mapping = routing.queue_clusters()
+    except (ImproperlyConfigured, TypeError, ValueError):
+        return []  # reported by E002 / E007
+    too_long: dict[str, list[str]] = {}
+    limits: dict[str, float] = {}
+    for workflow in registry:
+        for stage in workflow.stages:
+            seconds = timeouts.stage_timeout_seconds(stage)
+            cluster = mapping.get(stage.queue)
+            if seconds is None or cluster is None:
+                continue
+            limit = cluster_timeout_seconds(cluster)
+            if limit is not None and seconds + grace >= limit:
+                too_long.setdefault(cluster, []).append(f"{workflow.id}/{stage.id} ({seconds:g} s)")
+                limits[cluster] = limit
+    return [
+        Warning(
+            f"Stages {', '.join(stages)} have a timeout_seconds that, with "
+            f"STAGE_TIMEOUT_GRACE_SECONDS={grace:g}, is not below django-q2 cluster "
+            f"{cluster!r}'s timeout ({limits[cluster]:g} s): django-q2 kills the worker first "
+            "and the stage fails with django-q2's timeout instead of its own",
+            hint="Raise Q_CLUSTER['timeout'] (and 'retry' above it) for that cluster above the "
+            "longest stage timeout plus the grace, or lower the stage's timeout_seconds",
+            id="django_workflows.W003",
+        )
+        for cluster, stages in sorted(too_long.items())
+    ]

@@ -38,6 +38,20 @@ DEFAULTS: dict[str, Any] = {
     # counted from the first failure; back-off 0.05 s doubling to 2 s (kernel/connections.py).
     # Default 60: long enough to survive a database restart. 0: one immediate retry only.
     "RECONNECT_SECONDS": 60.0,
+    # Stage timeouts (issue 12 item 2; kernel/timeouts.py). The longest one delivery of a
+    # stage may run (seconds) when the stage names no timeout_seconds; None = no limit. Past
+    # it ctx.is_cancelled() turns true and the delivery fails with StageTimeout (retried per
+    # the stage's retry policy); a body still running STAGE_TIMEOUT_GRACE_SECONDS later has
+    # its timeout committed for it and its worker process recycled (django-q2 workers).
+    "DEFAULT_STAGE_TIMEOUT_SECONDS": None,
+    # How long (seconds) a timed-out stage body may take to notice ctx.is_cancelled() and
+    # return before the watchdog commits the timeout and recycles the worker process. Keep
+    # Q_CLUSTER['timeout'] above every stage timeout + this (system check W003).
+    "STAGE_TIMEOUT_GRACE_SECONDS": 5.0,
+    # The longest a ready job may wait for a worker of its queue (seconds) when its stage
+    # names no queue_timeout_seconds; None = wait forever. Past it the maintenance tick
+    # fails the stage and the run: "no worker of queue 'gpu' picked up the job within 60 s".
+    "DEFAULT_QUEUE_TIMEOUT_SECONDS": None,
     # Maintenance tick (SPEC §7.3)
     "MAX_CLAIMS_PER_TICK": 10,
     "MAX_SUSPENDED_CHECKS_PER_TICK": 10,

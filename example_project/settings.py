@@ -157,6 +157,14 @@ DJANGO_WORKFLOWS = {
     "SUPERVISOR_TICKS": os.environ.get("WORKFLOWS_SUPERVISOR_TICKS", "1") == "1",
     "TICKER_LEASE_SECONDS": float(os.environ.get("WORKFLOWS_TICKER_LEASE_SECONDS", "10")),
     "STOP_GRACE_SECONDS": float(os.environ.get("WORKFLOWS_STOP_GRACE_SECONDS", "20")),
+    "STAGE_TIMEOUT_GRACE_SECONDS": float(os.environ.get("WORKFLOWS_STAGE_TIMEOUT_GRACE", "5")),
+    "DEFAULT_QUEUE_TIMEOUT_SECONDS": (
+        float(os.environ["WORKFLOWS_DEFAULT_QUEUE_TIMEOUT"])
+        if os.environ.get("WORKFLOWS_DEFAULT_QUEUE_TIMEOUT")
+        else None
+    ),
+    "MAX_ATTEMPTS": int(os.environ.get("WORKFLOWS_MAX_ATTEMPTS", "3")),
+    "RETRY_BACKOFF_BASE_SECONDS": float(os.environ.get("WORKFLOWS_RETRY_BACKOFF_BASE", "2")),
     # Accepted but no longer used (the ticker runs in the supervisor threads); older tests
     # set it below Q_TIMEOUT.
     "TICKER_RUN_SECONDS": float(os.environ.get("WORKFLOWS_TICKER_RUN_SECONDS", "50")),

@@ -40,6 +40,7 @@ from django.utils.translation import ngettext
 
 from .. import approval
 from ..definition.registry import registry
+from ..kernel import timeouts
 from ..kernel.commands import CancelRun, RerunFrom
 from ..kernel.errors import WorkflowError
 from ..kernel.runtime import get_kernel
@@ -1053,6 +1054,8 @@ class StageRow:
     name: str
     execution_group: int
     record: WorkflowStage | None
+    #: The registered stage's effective timeouts, e.g. "timeout 600 s" ('' for none).
+    limits: str = ""
 
     @property
     def status(self) -> SafeString | str:
@@ -1106,10 +1109,17 @@ def stage_rows(run: WorkflowRun, stages: list[WorkflowStage]) -> list[StageRow]:
     rows = [StageRow(s.stage_id, s.stage_name, s.execution_group, s) for s in stages]
     workflow = registry.get(run.workflow_id)
     if workflow is not None:
+        for row in rows:
+            defined = workflow.get_stage(row.stage_id)
+            row.limits = timeouts.text(defined) if defined is not None else ""
         for sid in workflow.stage_ids:
             if sid not in by_id:
                 node = workflow.node(sid)
-                rows.append(StageRow(sid, node.stage.name, node.execution_group, None))
+                rows.append(
+                    StageRow(
+                        sid, node.stage.name, node.execution_group, None, timeouts.text(node.stage)
+                    )
+                )
     rows.sort(key=lambda r: r.execution_group)
     return rows
 

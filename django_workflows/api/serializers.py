@@ -294,6 +294,16 @@ class StageSchemaSerializer(serializers.Serializer):
     config_schema = serializers.JSONField(help_text="JSON Schema of the stage config")
     config_defaults = serializers.JSONField()
     output_schema = serializers.JSONField(allow_null=True)
+    timeout_seconds = serializers.FloatField(
+        allow_null=True,
+        help_text="Longest one delivery may run (seconds; the stage's own or "
+        "DEFAULT_STAGE_TIMEOUT_SECONDS); null: no limit",
+    )
+    queue_timeout_seconds = serializers.FloatField(
+        allow_null=True,
+        help_text="Longest a ready job may wait for a worker of its queue (seconds); null: "
+        "no limit",
+    )
 
 
 class ExecutionGroupSerializer(serializers.Serializer):

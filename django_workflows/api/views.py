@@ -29,6 +29,7 @@ from rest_framework.views import APIView
 from .. import approval
 from ..conf import workflow_settings
 from ..definition.registry import registry
+from ..kernel import timeouts
 from ..kernel.commands import CancelRun, CreateRun, RerunFrom
 from ..kernel.errors import (
     InvalidCommandError,
@@ -213,6 +214,7 @@ def definition_document(workflow: Any) -> dict[str, Any]:
                         "output_schema": _json_schema(node.stage.output_model)
                         if node.stage.output_model is not None
                         else None,
+                        **timeouts.describe(node.stage),
                     }
                     for node in group
                 ],

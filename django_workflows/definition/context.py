@@ -162,9 +162,11 @@ class StageContext(_BaseContext, Generic[InputT, ConfigT]):
         self.services.progress(value, message, details or None)
 
     def is_cancelled(self) -> bool:
-        """True once the run has left RUNNING (cancelled or failed): stop early (Part I item 15).
+        """True once the run has left RUNNING (cancelled or failed), the delivery's lease was
+        taken over, or the stage passed its ``timeout_seconds``: stop early (Part I item 15,
+        issue 12 item 2).
 
-        The result of a stage of a cancelled run is discarded anyway.
+        The result of such a delivery is discarded anyway.
         """
         return self.services.is_cancelled()
 

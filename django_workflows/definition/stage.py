@@ -173,6 +173,17 @@ class RetryPolicy:
         if self.backoff_max_seconds is not None:
             cap = float(self.backoff_max_seconds)
         return min(base * 2 ** max(attempt - 1, 0), cap)
+def seconds_error(value: object) -> str | None:
+    """``None`` if ``value`` is ``None`` or a positive, finite number of seconds; else what is
+    wrong with it (used for ``timeout_seconds`` and ``queue_timeout_seconds``).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"must be a number of seconds or None, got {value!r}"
+    if not math.isfinite(value) or value <= 0:
+        return f"must be a positive, finite number of seconds, got {value!r}"
+    return None
 
 
 @dataclass(eq=False)
@@ -194,6 +205,11 @@ class Stage:
             a django-q2 cluster by the ``QUEUES`` setting (see :mod:`..kernel.routing`).
         retry: the stage's :class:`RetryPolicy` (``None``: the settings); an int given here is
             turned into ``RetryPolicy(max_attempts=n)``.
+        timeout_seconds: the longest one delivery of ``execute`` may run (seconds, > 0), or
+            ``None``: ``DEFAULT_STAGE_TIMEOUT_SECONDS`` applies (issue 12 item 2; see
+            :mod:`..kernel.timeouts`).
+        queue_timeout_seconds: the longest a ready job of the stage may wait for a worker of
+            its ``queue`` (seconds, > 0), or ``None``: ``DEFAULT_QUEUE_TIMEOUT_SECONDS``.
     """
 
     id: str
@@ -209,6 +225,8 @@ class Stage:
     estimate_cost: Callable[[Any, Any], float] | None = None
     queue: str = DEFAULT_QUEUE
     retry: RetryPolicy | None = None
+    timeout_seconds: float | None = None
+    queue_timeout_seconds: float | None = None
     _defaults: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -244,6 +262,10 @@ class Stage:
             self.retry = RetryPolicy.of(self.retry)
         except WorkflowDefinitionError as exc:
             raise WorkflowDefinitionError(f"Stage {self.id!r}: {exc}") from None
+        for attr in ("timeout_seconds", "queue_timeout_seconds"):
+            problem = seconds_error(getattr(self, attr))
+            if problem:
+                raise WorkflowDefinitionError(f"Stage {self.id!r}: {attr} {problem}")
         self.dependencies = tuple(self.dependencies)
         self._defaults = model_defaults(self.config_model)
 
@@ -554,6 +576,8 @@ def define_stage(
     estimate_cost: Callable[[Any, Any], float] | None = None,
     queue: str = DEFAULT_QUEUE,
     retry: RetryPolicy | int | None = None,
+    timeout_seconds: float | None = None,
+    queue_timeout_seconds: float | None = None,
 ) -> Stage:
     """Define a synchronous stage (WF-5). The models are taken only from the arguments (use
     :func:`stage` to take them from the annotations).
@@ -566,9 +590,15 @@ def define_stage(
         queue: the worker pool that runs the stage (:data:`DEFAULT_QUEUE` unless named;
             :data:`QUEUE_PATTERN`); see :mod:`..kernel.routing`.
         retry: a :class:`RetryPolicy`, or an int (``max_attempts``); ``None``: the settings.
+        timeout_seconds: the longest one delivery may run (seconds, > 0); past it the
+            delivery fails with ``StageTimeout`` and is retried like any failure
+            (:mod:`..kernel.timeouts`). ``None``: ``DEFAULT_STAGE_TIMEOUT_SECONDS``.
+        queue_timeout_seconds: the longest a ready job may wait for a worker of ``queue``
+            (seconds, > 0); past it the stage and run fail naming the queue. ``None``:
+            ``DEFAULT_QUEUE_TIMEOUT_SECONDS``.
 
     Raises:
-        WorkflowDefinitionError: a malformed id, model, queue name or retry policy.
+        WorkflowDefinitionError: a malformed id, model, queue name, retry policy or timeout.
     """
     return Stage(
         id=id,
@@ -582,6 +612,8 @@ def define_stage(
         estimate_cost=estimate_cost,
         queue=queue,
         retry=retry,  # type: ignore[arg-type]  # normalised by Stage
+        timeout_seconds=timeout_seconds,
+        queue_timeout_seconds=queue_timeout_seconds,
     )
 
 
@@ -598,6 +630,8 @@ def define_async_batch_stage(
     dependencies: tuple[str, ...] | list[str] = (),
     queue: str = DEFAULT_QUEUE,
     retry: RetryPolicy | int | None = None,
+    timeout_seconds: float | None = None,
+    queue_timeout_seconds: float | None = None,
 ) -> Stage:
     """Define an async-batch stage (WF-5, WF-7).
 
@@ -609,6 +643,10 @@ def define_async_batch_stage(
     Input and config default to ``execute``'s ``ctx: StageContext[In, Cfg]`` annotation, the
     output to ``check_completion``'s ``-> CompletionCheck[Out]`` (see :func:`stage`).
     ``retry``: as for :func:`define_stage` (it bounds the deliveries of ``execute``).
+
+    ``timeout_seconds`` / ``queue_timeout_seconds``: as for :func:`define_stage`; they bound
+    each delivery of ``execute`` (the wait for the batch is bounded by ``Suspend``'s
+    ``max_wait_seconds``, not by these).
 
     Raises:
         WorkflowDefinitionError: as :func:`define_stage`, and an explicit model that disagrees
@@ -636,6 +674,8 @@ def define_async_batch_stage(
         check_completion=check_completion,
         queue=queue,
         retry=retry,  # type: ignore[arg-type]  # normalised by Stage
+        timeout_seconds=timeout_seconds,
+        queue_timeout_seconds=queue_timeout_seconds,
     )
 
 
@@ -650,6 +690,8 @@ def stage(
     dependencies: tuple[str, ...] | list[str] = (),
     queue: str = DEFAULT_QUEUE,
     retry: RetryPolicy | int | None = None,
+    timeout_seconds: float | None = None,
+    queue_timeout_seconds: float | None = None,
 ) -> Callable[[Callable[..., Any]], Stage]:
     """Decorator form of :func:`define_stage`; the decorated function becomes ``execute``.
 
@@ -665,10 +707,14 @@ def stage(
     ``queue``: the worker pool that runs the stage, e.g. ``@stage(id="embed", queue="gpu")``.
     ``retry``: a :class:`RetryPolicy` or an int (``max_attempts``) for this stage.
 
+    ``timeout_seconds`` / ``queue_timeout_seconds``: see :func:`define_stage`, e.g.
+    ``@stage(id="embed", queue="gpu", timeout_seconds=600, queue_timeout_seconds=60)``.
+
     Raises:
-        WorkflowDefinitionError: (when decorating) a malformed id, queue or retry policy; an
-            explicit model that disagrees with the annotation (naming the stage, both models
-            and the parameter); an annotation that names an unknown or non-model type.
+        WorkflowDefinitionError: (when decorating) a malformed id, queue, retry policy or
+            timeout; an explicit model that disagrees with the annotation (naming the stage,
+            both models and the parameter); an annotation that names an unknown or non-model
+            type.
     """
 
     def wrap(fn: Callable[..., Any]) -> Stage:
@@ -692,6 +738,8 @@ def stage(
             dependencies=dependencies,
             queue=queue,
             retry=retry,
+            timeout_seconds=timeout_seconds,
+            queue_timeout_seconds=queue_timeout_seconds,
         )
 
     return wrap

@@ -10,7 +10,11 @@ A worker runs this story in a loop (:func:`work`):
    delivery, identified by its token: the job id and the ``attempt`` it was leased with.
 2. **Execute** (no transaction): run the stage body while a heartbeat refreshes the lease,
    fenced by the token (a heartbeat that finds the token gone tells the stage, through
-   ``ctx.is_cancelled()``, that its result will be discarded).
+   ``ctx.is_cancelled()``, that its result will be discarded). A stage with a timeout
+   (:mod:`.timeouts`) is watched by the same heartbeat thread: past the deadline
+   ``ctx.is_cancelled()`` turns true and the outcome becomes a ``StageTimeout`` failure; a body
+   still running after the grace has that failure committed for it through step 3 (fenced)
+   and its worker process recycled.
 3. **Outcome** (one transaction): lock the run (RUNNING guard), settle the job *fenced by the
    token* (``UPDATE ... WHERE id = ? AND status = RUNNING AND attempt = ?``), write the
    outcome (stage record, output blob, annotations, logs, events), transition the run (the
@@ -46,6 +50,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -57,6 +62,7 @@ from ..definition.stage import Stage
 from ..definition.workflow import StageNode, Workflow
 from ..models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from . import events as ev
+from . import timeouts
 from .connections import discard_connection, retry_on_disconnect
 from .errors import StageNotFoundError, WorkflowNotFoundError
 from .executor import ExecutionOutcome
@@ -404,6 +410,11 @@ def execute(kernel: Kernel, delivery: Delivery) -> tuple[ExecutionOutcome, Kerne
     A stage stopped by django-q2's ``timeout`` (its ``TimeoutException``, a ``SystemExit``
     raised by SIGALRM) becomes a failed outcome naming that timeout, with the exception kept
     in ``outcome.stopped`` so :func:`deliver` re-raises it once the outcome committed.
+
+    A stage with a timeout (:func:`.timeouts.stage_timeout_seconds`) is watched by the
+    heartbeat (:meth:`Heartbeat.watch`): a delivery that passed its deadline returns the
+    ``StageTimeout`` failure instead of what the body returned or raised, and a body still
+    running after the grace has that failure committed for it (:func:`_commit_overdue`).
     """
     d = delivery
     _executed.note(d.job.pk, d.job.attempt)
@@ -416,9 +427,13 @@ def execute(kernel: Kernel, delivery: Delivery) -> tuple[ExecutionOutcome, Kerne
         stage_pk=d.record.pk,
     )
     interval = float(workflow_settings.HEARTBEAT_INTERVAL_SECONDS)
+    timeout = timeouts.stage_timeout_seconds(d.node.stage)
+    beat = Heartbeat(kernel, d.job.pk, interval, d.run.pk, attempt=d.job.attempt)
+    if timeout is not None:
+        beat.watch(timeout, lambda: _commit_overdue(kernel, d, services, timeout))
     began = time.monotonic()
     try:
-        with Heartbeat(kernel, d.job.pk, interval, d.run.pk, attempt=d.job.attempt) as beat:
+        with beat:
             services.lease_lost = beat.lost
             outcome = run_stage(
                 kernel,
@@ -440,8 +455,26 @@ def execute(kernel: Kernel, delivery: Delivery) -> tuple[ExecutionOutcome, Kerne
             error_type="TaskTimeout",
             stopped=exc,
         )
+    if beat.timed_out.is_set():  # past the deadline: whatever the body returned is discarded
+        stopped = outcome.stopped
+        outcome = timeouts.timed_out(d.node.stage, timeout)  # type: ignore[arg-type]
+        outcome.stopped = stopped
     fault_point("stage.executing")
     return outcome, services
+
+
+def _commit_overdue(
+    kernel: Kernel, d: Delivery, services: KernelStageServices, timeout: float
+) -> None:
+    """The watchdog's step 3 (heartbeat thread) for a body still running past its timeout and
+    grace: commit its ``StageTimeout`` failure through the fenced outcome transaction (nothing
+    commits if the delivery no longer owns the job), then free the worker
+    (:func:`.timeouts.recycle_worker`).
+    """
+    try:
+        commit_outcome(kernel, d, timeouts.timed_out(d.node.stage, timeout), services, None)
+    finally:
+        timeouts.recycle_worker(d.node.stage.id, d.job.pk)
 
 
 def is_task_timeout(exc: BaseException) -> bool:
@@ -684,6 +717,12 @@ def _log_discarded(kernel: Kernel, d: Delivery, outcome: ExecutionOutcome) -> No
         f"Stage {d.node.stage.id} delivery {d.job.attempt} of job {d.job.pk}: its lease was "
         f"taken over before it finished; its {what} was discarded"
     )
+    if timeouts.is_timeout_error(outcome.error):
+        message = (
+            f"Stage {d.node.stage.id} delivery {d.job.attempt} of job {d.job.pk} returned after "
+            "its timeout had been committed (or its lease was taken over); its late result "
+            "was discarded"
+        )
     logger.warning(message)
     write_log(
         kernel.clock.now(),
@@ -801,6 +840,54 @@ class Heartbeat:
         self.interval = interval_seconds
         self.lost = threading.Event()
         self.next_beat = 0.0
+        #: The stage timeout watched by the heartbeat thread (:meth:`watch`), in seconds.
+        self.timeout_seconds: float | None = None
+        #: Monotonic time of the deadline, then of the end of its grace (set when entered).
+        self.deadline: float | None = None
+        #: Set (by the heartbeat thread, only while the delivery executes) at the deadline.
+        self.timed_out = threading.Event()
+        #: Set once the grace ended with the body still running (``on_overdue`` was called).
+        self.overdue = threading.Event()
+        self._on_overdue: Callable[[], None] | None = None
+        self._beater: _Beater | None = None
+
+    def watch(self, timeout_seconds: float, on_overdue: Callable[[], None]) -> Heartbeat:
+        """Watch a stage timeout (:mod:`.timeouts`): ``timeout_seconds`` after the block is
+        entered, :attr:`timed_out` and :attr:`lost` are set (``ctx.is_cancelled()`` turns
+        true); ``STAGE_TIMEOUT_GRACE_SECONDS`` later, if the block still runs,
+        ``on_overdue()`` is called in the heartbeat thread. Leaving the block first (under the
+        heartbeat thread's lock) ends the watch: a delivery is timed out or not, never both.
+        """
+        self.timeout_seconds = timeout_seconds
+        self._on_overdue = on_overdue
+        return self
+
+    def check_deadline(self, now: float) -> bool:
+        """Called by the heartbeat thread with the registry lock held: mark the delivery timed
+        out at its deadline. Returns ``True`` when the grace has ended too (the caller then
+        runs :meth:`fire_overdue` outside the lock)."""
+        if self.deadline is None or now < self.deadline:
+            return False
+        if not self.timed_out.is_set():
+            self.timed_out.set()
+            self.lost.set()  # ctx.is_cancelled(): stop, the result will be discarded
+            self.deadline = now + timeouts.grace_seconds()
+            logger.warning(
+                "Job %s delivery %s passed its timeout of %g s; cancelling it (grace %g s)",
+                self.job_id,
+                self.attempt,
+                self.timeout_seconds,
+                timeouts.grace_seconds(),
+            )
+            return False
+        self.deadline = None
+        self.overdue.set()
+        return True
+
+    def fire_overdue(self) -> None:
+        """The grace ended with the body still running: call ``on_overdue``."""
+        if self._on_overdue is not None:
+            self._on_overdue()
 
     def beat(self) -> None:
         """Refresh the lease and note a run that left RUNNING (Part I item 15)."""
@@ -814,31 +901,41 @@ class Heartbeat:
             note_run_not_running(self.run_id)
 
     def __enter__(self) -> Heartbeat:
-        _beater.add(self)
+        self._beater = _beater
+        self._beater.add(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _beater.remove(self)
+        if self._beater is not None:
+            self._beater.remove(self)
         if self.run_id is not None:
             forget_run(self.run_id)
 
 
 class _Beater:
-    """The process's heartbeat thread: beats every registered :class:`Heartbeat` when due.
-    Beat errors are logged and ignored (H-2); the thread's connection is closed after one, so
-    a terminated connection is never used again (:mod:`.connections`).
+    """The process's heartbeat thread: beats every registered :class:`Heartbeat` when due, and
+    is the watchdog of their stage timeouts (:meth:`Heartbeat.watch`). Beat errors are logged
+    and ignored (H-2); the thread's connection is closed after one, so a terminated connection
+    is never used again (:mod:`.connections`).
+
+    ``thread=False`` (tests): no thread is started; the test calls :meth:`run_due` with the
+    monotonic time it wants.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, thread: bool = True) -> None:
         self._cond = threading.Condition()
         self._beats: dict[int, Heartbeat] = {}
         self._thread: threading.Thread | None = None
+        self._threaded = thread
 
     def add(self, beat: Heartbeat) -> None:
         with self._cond:
-            beat.next_beat = time.monotonic() + beat.interval
+            now = time.monotonic()
+            beat.next_beat = now + beat.interval
+            if beat.timeout_seconds is not None:
+                beat.deadline = now + beat.timeout_seconds
             self._beats[id(beat)] = beat
-            if self._thread is None or not self._thread.is_alive():
+            if self._threaded and (self._thread is None or not self._thread.is_alive()):
                 self._thread = threading.Thread(target=self._loop, name="heartbeats", daemon=True)
                 self._thread.start()
             self._cond.notify()
@@ -853,32 +950,58 @@ class _Beater:
         with self._cond:
             return list(self._beats.values())
 
+    def _due(self, now: float) -> tuple[list[Heartbeat], list[Heartbeat]]:
+        """With the lock held: (heartbeats whose timeout grace ended, heartbeats due a beat);
+        deadlines reached are marked on the way (:meth:`Heartbeat.check_deadline`)."""
+        overdue = [b for b in self._beats.values() if b.check_deadline(now)]
+        due = [b for b in self._beats.values() if b.next_beat <= now]
+        for b in due:
+            b.next_beat = now + b.interval
+        return overdue, due
+
+    def _wait_seconds(self, now: float) -> float:
+        wake = min(
+            (min(b.next_beat, b.deadline or b.next_beat) for b in self._beats.values()),
+            default=now + 60,
+        )
+        return max(0.0, wake - now)
+
+    def run_due(self, now: float) -> None:
+        """One pass at monotonic time ``now``: mark deadlines, commit overdue timeouts, beat."""
+        with self._cond:
+            overdue, due = self._due(now)
+        self._send(overdue, due)
+
     def _loop(self) -> None:
         while True:
             with self._cond:
                 if not self._beats:
                     connection.close()  # idle: hold no connection (a test database may go)
                 now = time.monotonic()
-                due = [b for b in self._beats.values() if b.next_beat <= now]
-                if not due:
-                    wake = min((b.next_beat for b in self._beats.values()), default=now + 60)
-                    self._cond.wait(max(0.0, wake - now))
+                overdue, due = self._due(now)
+                if not due and not overdue:
+                    self._cond.wait(self._wait_seconds(now))
                     continue
-                for b in due:
-                    b.next_beat = now + b.interval
-            for b in due:
-                if id(b) not in self._beats:
-                    continue  # its delivery ended meanwhile
-                try:
-                    # A dead connection is discarded and the beat sent again at once on a new
-                    # one; if that fails too, the next beat tries again (a lease is several
-                    # beats long, so one lost beat does not lose it).
-                    retry_on_disconnect(
-                        b.beat, what=f"heartbeat of job {b.job_id}", window_seconds=0
-                    )
-                except Exception:
-                    logger.exception("Heartbeat for job %s failed", b.job_id)
-                    discard_connection()
+            self._send(overdue, due)
+
+    def _send(self, overdue: list[Heartbeat], due: list[Heartbeat]) -> None:
+        for b in overdue:
+            try:
+                b.fire_overdue()
+            except Exception:
+                logger.exception("Committing the timeout of job %s failed", b.job_id)
+                discard_connection()
+        for b in due:
+            if id(b) not in self._beats:
+                continue  # its delivery ended meanwhile
+            try:
+                # A dead connection is discarded and the beat sent again at once on a new
+                # one; if that fails too, the next beat tries again (a lease is several
+                # beats long, so one lost beat does not lose it).
+                retry_on_disconnect(b.beat, what=f"heartbeat of job {b.job_id}", window_seconds=0)
+            except Exception:
+                logger.exception("Heartbeat for job %s failed", b.job_id)
+                discard_connection()
 
 
 _beater = _Beater()

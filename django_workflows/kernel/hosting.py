@@ -5,8 +5,9 @@
 * :func:`process_available_jobs` - lease and deliver ready jobs until none is left or a limit
   is reached (H-42); the path itself is :mod:`django_workflows.kernel.delivery`.
 * :func:`run_maintenance_tick` - fire due schedules, claim pending runs, poll suspended stages,
-  reap stale leases, flush the outbox, reap stuck runs; each step in its own error boundary
-  (H-10, H-11), retried once on a new connection after a dead one (:mod:`.connections`).
+  reap stale leases, flush the outbox, reap stuck runs, fail jobs past their queue-wait limit
+  (:func:`.timeouts.fail_unstarted_jobs`); each step in its own error boundary (H-10, H-11),
+  retried once on a new connection after a dead one (:mod:`.connections`).
 
 The django-q2 transport, the ``workflows_tick`` command and the test kit all call these.
 """
@@ -27,7 +28,7 @@ from django.db.models import Q
 
 from ..conf import workflow_settings
 from ..models import Status, WorkflowJob
-from . import delivery, leases
+from . import delivery, leases, timeouts
 from .commands import (
     ClaimPendingRuns,
     PollSuspendedStages,
@@ -121,6 +122,8 @@ class TickResult:
     stale_given_up: int = 0
     events_flushed: int = 0
     stuck_reaped: int = 0
+    #: ready jobs no worker of their queue leased within their queue-wait limit: failed
+    queue_timed_out: int = 0
     workers_woken: int = 0
     #: runs started by due schedules (:mod:`.schedules`)
     schedule_runs: int = 0
@@ -143,6 +146,7 @@ class TickResult:
                 self.stale_given_up,
                 self.events_flushed,
                 self.stuck_reaped,
+                self.queue_timed_out,
             )
         )
 
@@ -343,6 +347,9 @@ def _tick_steps(kernel: Kernel, worker_id: str, out: TickResult) -> None:
         )
         out.stuck_reaped = res.failed
 
+    def fail_unstarted() -> None:
+        out.queue_timed_out = timeouts.fail_unstarted_jobs(kernel)
+
     def wake_ready() -> None:
         out.workers_woken = wake_ready_jobs(kernel, older_than_seconds=WAKE_AFTER_SECONDS)
 
@@ -352,4 +359,5 @@ def _tick_steps(kernel: Kernel, worker_id: str, out: TickResult) -> None:
     step("lease.reapStale", reap_leases)
     step("outbox.flush", flush)
     step("run.reapStuck", reap_stuck)
+    step("job.queueTimeout", fail_unstarted)
     step("wake", wake_ready)

@@ -45,9 +45,13 @@ logger = logging.getLogger("django_workflows.worker")
 DELIVERIES_EXHAUSTED = "DeliveriesExhausted"
 
 
-def give_up_job(kernel: Kernel, job: WorkflowJob, message: str) -> bool:
+def give_up_job(
+    kernel: Kernel, job: WorkflowJob, message: str, error_type: str = DELIVERIES_EXHAUSTED
+) -> bool:
     """Settle ``job`` (locked by the caller's transaction, read with its current status) whose
-    deliveries are used up; see the module docstring for each case.
+    deliveries are used up, or that must not be delivered any more (``error_type`` is then what
+    ``run.error["error_type"]`` records, e.g. ``"QueueTimeout"``); see the module docstring for
+    each case.
 
     Returns ``False`` without writing anything when another transaction holds the run row
     (the caller leaves the job for a later pass: waiting here could deadlock with
@@ -56,13 +60,13 @@ def give_up_job(kernel: Kernel, job: WorkflowJob, message: str) -> bool:
     """
     try:
         with transaction.atomic():
-            return _give_up(kernel, job, message)
+            return _give_up(kernel, job, message, error_type)
     except Exception:
         logger.exception("Could not settle exhausted job %s; failing the job only", job.pk)
         return kernel.queue.settle(job, Status.FAILED, error=message)
 
 
-def _give_up(kernel: Kernel, job: WorkflowJob, message: str) -> bool:
+def _give_up(kernel: Kernel, job: WorkflowJob, message: str, error_type: str) -> bool:
     run = try_lock_run(job.workflow_run_id)
     if run is LOCKED:
         return False
@@ -94,7 +98,7 @@ def _give_up(kernel: Kernel, job: WorkflowJob, message: str) -> bool:
             error_message=message,
             next_poll_at=None,
             # run.transition copies it into run.error (the run fails in this transaction).
-            metrics={**(record.metrics or {}), "error_type": DELIVERIES_EXHAUSTED},
+            metrics={**(record.metrics or {}), "error_type": error_type},
         )
         events.append(
             ev.event(

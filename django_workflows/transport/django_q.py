@@ -47,7 +47,7 @@ from typing import Any
 from django.db import close_old_connections
 
 from ..conf import workflow_settings
-from ..kernel import flusher, routing
+from ..kernel import flusher, routing, timeouts
 from ..kernel.hosting import (
     ProcessResult,
     default_worker_id,
@@ -61,6 +61,7 @@ from ..kernel.supervisor import (
     StopSignal,
     Supervisor,
     TickerDuty,
+    exit_now,
 )
 from ..kernel.supervisor import (
     ticker_lease_seconds as ticker_lease_seconds,
@@ -256,8 +257,12 @@ def current_supervisor() -> Supervisor | None:
 
 def on_post_spawn(sender: Any = None, **kwargs: Any) -> None:
     """Receiver of django-q2's ``post_spawn`` (sent by each new worker process): start the
-    supervisor thread with the cluster's stop event (:func:`find_cluster_stop_event`).
+    supervisor thread with the cluster's stop event (:func:`find_cluster_stop_event`), and
+    make a stage body that ignores its timeout end the process (:func:`.timeouts.set_recycle`).
     """
+    # A stage body still running past its timeout and grace ends this process: the
+    # Sentinel starts a fresh worker (kernel/timeouts.py).
+    timeouts.set_recycle(exit_now)
     event = find_cluster_stop_event()
     if event is None:
         logger.warning(

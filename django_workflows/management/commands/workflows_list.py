@@ -7,6 +7,10 @@
         1  discover          sync         Discover installed distributions
         2  parse-metadata    sync         Parse metadata headers
         ...
+
+A stage with a timeout (its own or ``DEFAULT_STAGE_TIMEOUT_SECONDS``) shows it after its
+name, e.g. ``(timeout 600 s, queue wait 60 s)``; ``--json`` gives each stage's ``queue``,
+``timeout_seconds`` and ``queue_timeout_seconds`` (effective values, ``null``: none).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from django.core.management.base import BaseCommand, CommandParser
 
 from django_workflows.definition.registry import registry
 from django_workflows.definition.workflow import Workflow
+from django_workflows.kernel import timeouts
 
 
 def workflow_document(workflow: Workflow) -> dict[str, Any]:
@@ -36,6 +41,8 @@ def workflow_document(workflow: Workflow) -> dict[str, Any]:
                 "stage_number": node.stage_number,
                 "dependencies": list(node.stage.dependencies),
                 "default_config": node.stage.default_config,
+                "queue": node.stage.queue,
+                **timeouts.describe(node.stage),
             }
             for node in workflow.nodes
         ],
@@ -74,4 +81,6 @@ class Command(BaseCommand):
         width = max(len(node.stage.id) for node in workflow.nodes)
         for node in workflow.nodes:
             st = node.stage
-            write(f"    {node.execution_group:>2}  {st.id:<{width}}  {st.mode:<11}  {st.name}")
+            limits = timeouts.text(st)
+            line = f"    {node.execution_group:>2}  {st.id:<{width}}  {st.mode:<11}  {st.name}"
+            write(f"{line}  ({limits})" if limits else line)

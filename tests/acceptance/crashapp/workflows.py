@@ -10,10 +10,15 @@ straight through.
 * ``crash-poll``: prepare -> batch (async batch; the first ``check_completion`` blocks) -> finish.
 * ``race-pipeline``: a -> [b | c] -> d (async batch, ready after a random number of polls) -> e,
   every sync stage sleeping a few random milliseconds; run by the cancel race test.
+* ``timeout-pipeline``: timed (``timeout_seconds=1.5``; its first delivery, or every one with
+  ``always``, overruns: a ``time.sleep`` loop, a sleep in C, a loop that asks
+  ``ctx.is_cancelled()`` and ignores it, or one that returns a late result once cancelled) ->
+  after; run by the stage timeout tests.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import time
@@ -219,3 +224,55 @@ race_pipeline = register(
 
 # The fault and routing tests' workflows (they use ``crash_dir`` and ``enter`` above).
 from . import faults, routing  # noqa: E402, F401
+
+# --- timeout-pipeline -----------------------------------------------------------------------------
+
+
+class TimeoutInput(BaseModel):
+    mode: str = "python"  # python | c | stubborn | polite
+    always: bool = False
+
+
+class Timed(BaseModel):
+    mode: str
+    delivery: int
+    late: bool = False
+
+
+@stage(id="timed", input=TimeoutInput, output=Timed, timeout_seconds=1.5)
+def timed(ctx: StageContext[TimeoutInput, Any]) -> Timed:
+    """Overruns its 1.5 s timeout on its first delivery (on every one with ``always``)."""
+    count = enter(ctx.workflow_run_id, "timed")
+    mode = ctx.input.mode
+    if count == 1 or ctx.input.always:
+        if mode == "python":
+            for _ in range(600):  # 30 s in Python, never looking at ctx.is_cancelled()
+                time.sleep(0.05)
+        elif mode == "c":
+            ctypes.CDLL(None).sleep(30)  # 30 s inside libc's sleep(3)
+        elif mode == "stubborn":
+            end = time.monotonic() + 30
+            while time.monotonic() < end:
+                ctx.is_cancelled()  # asked, and ignored
+                time.sleep(0.01)
+        elif mode == "polite":
+            end = time.monotonic() + 30
+            while not ctx.is_cancelled() and time.monotonic() < end:
+                time.sleep(0.01)
+            (crash_dir() / f"{ctx.workflow_run_id}.timed.late").write_text(str(os.getpid()))
+            return Timed(mode=mode, delivery=count, late=True)  # a late result
+    return Timed(mode=mode, delivery=count)
+
+
+@stage(id="after", input=Timed, output=Timed)
+def after(ctx: StageContext[Timed, Any]) -> Timed:
+    enter(ctx.workflow_run_id, "after")
+    return ctx.input
+
+
+timeout_pipeline = register(
+    define_workflow(id="timeout-pipeline", name="Timeouts: overrunning stage", input=TimeoutInput)
+    .pipe(timed)
+    .pipe(after)
+    .build()
+)
