@@ -240,9 +240,14 @@ def run_to_completion(
     from ..runs import waiting_reasons
 
     assert run is not None
-    waiting = "; ".join(
-        f"{w.stage_id or 'run'}: {w.message}" for w in waiting_reasons(run)
-    ) or "nothing"
+
+    def served() -> set[str]:  # this driver serves every queue
+        return set(
+            WorkflowJob.objects.filter(workflow_run_id=run_id).values_list("queue", flat=True)
+        )
+
+    reasons = waiting_reasons(run, live_queues=served)
+    waiting = "; ".join(f"{w.stage_id or 'run'}: {w.message}" for w in reasons) or "nothing"
     raise AssertionError(
         f"Run {run_id} not terminal after {max_rounds} rounds: {run.status} (waiting: {waiting})"
     )
@@ -360,9 +365,7 @@ def collect_result(kernel: Kernel, run: WorkflowRun) -> WorkflowResult:
             row.payload
             for row in OutboxEvent.objects.filter(workflow_run_id=run.pk).order_by("sequence")
         ],
-        logs=list(
-            WorkflowLog.objects.filter(run_id=run.pk).select_related("stage").order_by("id")
-        ),
+        logs=list(WorkflowLog.objects.filter(run_id=run.pk).select_related("stage").order_by("id")),
         kernel=kernel,
     )
 
