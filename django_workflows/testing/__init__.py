@@ -6,7 +6,9 @@
 * :func:`override_stage` / ``run_workflow(..., overrides=...)`` - replace a stage's body in a
   test (mock an external call) without touching the definition.
 * :func:`make_kernel` - a kernel with a fake clock, a private registry and no transport.
-* :func:`run_to_completion` - drive an existing run through claims, jobs and polls.
+* :func:`run_to_completion` - drive an existing run through claims, jobs and polls;
+  :func:`drive` - a few rounds only (act on a run halfway: approve, cancel).
+* :func:`collect_result` - the :class:`WorkflowResult` of any run.
 * the pytest plugin :mod:`django_workflows.testing.pytest_plugin` (fixtures ``fake_clock``,
   ``workflows_kernel``, ``run_workflow``), registered through the ``pytest11`` entry point.
 
@@ -28,6 +30,7 @@ _LAZY = {
     "TEST_WORKER_ID",
     "WorkflowResult",
     "collect_result",
+    "drive",
     "make_kernel",
     "override_stage",
     "run_to_completion",

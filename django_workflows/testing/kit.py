@@ -194,6 +194,38 @@ def _next_due(run_id: Any) -> datetime | None:
     return min(due) if due else None
 
 
+def _round(kernel: Kernel, run_id: Any, advance_seconds: float | None) -> WorkflowRun:
+    """One driver round: a tick, the ready jobs, then (run still active) the clock move."""
+    run_maintenance_tick(kernel, TEST_WORKER_ID)
+    process_available_jobs(kernel, TEST_WORKER_ID, max_jobs=100)
+    run = WorkflowRun.objects.get(pk=run_id)
+    if run.status in TERMINAL_RUN_STATUSES:
+        run_maintenance_tick(kernel, TEST_WORKER_ID)  # flush the last events
+    elif isinstance(kernel.clock, FakeClock):
+        if advance_seconds is None:
+            due = _next_due(run_id)
+            if due is not None and due > kernel.clock.now():
+                kernel.clock.set(due)
+        elif advance_seconds:
+            kernel.clock.advance(advance_seconds)
+    return run
+
+
+def drive(
+    kernel: Kernel, run_id: Any, *, rounds: int = 1, advance_seconds: float | None = None
+) -> WorkflowRun:
+    """Drive a run in-process for ``rounds`` rounds (or until it is terminal) and return it,
+    terminal or not: for tests that act on a run halfway (approve a waiting approval, cancel
+    a running run). ``advance_seconds``: as for :func:`run_to_completion` (default: jump to
+    the next retry or completion check)."""
+    run = WorkflowRun.objects.get(pk=run_id)
+    for _ in range(rounds):
+        run = _round(kernel, run_id, advance_seconds)
+        if run.status in TERMINAL_RUN_STATUSES:
+            break
+    return run
+
+
 def run_to_completion(
     kernel: Kernel,
     run_id: Any,
@@ -224,27 +256,16 @@ def run_to_completion(
     """
     run: WorkflowRun | None = None
     for _ in range(max_rounds):
-        run_maintenance_tick(kernel, TEST_WORKER_ID)
-        process_available_jobs(kernel, TEST_WORKER_ID, max_jobs=100)
-        run = WorkflowRun.objects.get(pk=run_id)
+        run = _round(kernel, run_id, advance_seconds)
         if run.status in TERMINAL_RUN_STATUSES:
-            run_maintenance_tick(kernel, TEST_WORKER_ID)  # flush the last events
             return run
-        if isinstance(kernel.clock, FakeClock):
-            if advance_seconds is None:
-                due = _next_due(run_id)
-                if due is not None and due > kernel.clock.now():
-                    kernel.clock.set(due)
-            elif advance_seconds:
-                kernel.clock.advance(advance_seconds)
     from ..runs import waiting_reasons
 
     assert run is not None
 
     def served() -> set[str]:  # this driver serves every queue
-        return set(
-            WorkflowJob.objects.filter(workflow_run_id=run_id).values_list("queue", flat=True)
-        )
+        jobs = WorkflowJob.objects.filter(workflow_run_id=run_id)
+        return set(jobs.values_list("queue", flat=True))
 
     reasons = waiting_reasons(run, live_queues=served)
     waiting = "; ".join(f"{w.stage_id or 'run'}: {w.message}" for w in reasons) or "nothing"
