@@ -40,7 +40,7 @@ from .kernel.errors import RunNotFoundError, WorkflowError
 if TYPE_CHECKING:
     from .kernel.commands import AnnotationSpec
     from .kernel.dispatch import Kernel
-    from .models import WorkflowRun
+    from .models import WorkflowRun, WorkflowStage
 
 #: Default seconds between two polls (H-30: 3000 ms).
 DEFAULT_POLL_INTERVAL_SECONDS = 3.0
@@ -92,8 +92,8 @@ class RunResult:
         run_id: the run's id (text).
         status: ``COMPLETED``, ``FAILED`` or ``CANCELLED``.
         output: the run's output (the last execution group's output, WF-34).
-        error: the run's error for a FAILED run (``run.error`` when the model records it,
-            else the text of :func:`django_workflows.runs.run_error`); ``None`` otherwise.
+        error: the run's error for a FAILED run, ``{"stage_id", "message", "error_type",
+            "attempt"}`` (:func:`recorded_error`); ``None`` otherwise.
         stages: the stage snapshots of the last poll, in execution order.
         total_cost, total_tokens: the run's totals.
         duration_ms: from the run's start to its end (``None`` if it never started).
@@ -122,13 +122,40 @@ def _snapshots(run_id: Any) -> tuple[StageSnapshot, ...]:
     return tuple(StageSnapshot(*row) for row in rows)
 
 
-def _error_of(run: WorkflowRun) -> Any:
-    from .models import Status
-    from .runs import run_error
+def recorded_error(
+    run: WorkflowRun, records: Sequence[WorkflowStage] | None = None
+) -> dict[str, Any] | None:
+    """The error of a FAILED run as ``{"stage_id", "message", "error_type", "attempt"}``:
+    ``run.error`` when the model records it; otherwise built from the first FAILED stage
+    record (``error_type`` from a ``"Name: message"`` text, else ``None``) or the run's
+    ``output["error"]``. ``None`` for a run that did not fail. ``records``: the run's stage
+    records in execution order, when the caller has them (else one query)."""
+    from .models import Status, WorkflowRun, WorkflowStage
 
-    if any(f.name == "error" for f in type(run)._meta.get_fields()):
+    if any(f.name == "error" for f in WorkflowRun._meta.get_fields()):
         return getattr(run, "error", None)
-    return run_error(run) if run.status == Status.FAILED else None
+    if run.status != Status.FAILED:
+        return None
+    if records is None:
+        records = list(
+            WorkflowStage.objects.filter(run=run).order_by("execution_group", "stage_number")
+        )
+    for record in records:
+        if record.status == Status.FAILED and record.error_message:
+            name, sep, _ = record.error_message.partition(": ")
+            return {
+                "stage_id": record.stage_id,
+                "message": record.error_message,
+                "error_type": name if sep and name.isidentifier() else None,
+                "attempt": record.attempt,
+            }
+    output = run.output if isinstance(run.output, dict) else {}
+    error = output.get("error")
+    if isinstance(error, dict):
+        error = error.get("message")
+    if error:
+        return {"stage_id": None, "message": str(error), "error_type": None, "attempt": None}
+    return None
 
 
 def run_and_wait(
@@ -226,7 +253,7 @@ def run_and_wait(
                 run_id=run_id,
                 status=str(run.status),
                 output=run.output,
-                error=_error_of(run),
+                error=recorded_error(run),
                 stages=stages,
                 total_cost=run.total_cost,
                 total_tokens=run.total_tokens,

@@ -26,6 +26,7 @@ from ..models import TERMINAL_RUN_STATUSES, Status, WorkflowJob, WorkflowRun, Wo
 from ..plugins import PluginRunner
 from ..ports import EventSink, JobTransport
 from ..transport.inline import RecordingTransport
+from ..waiting import recorded_error
 from .clock import FakeClock
 
 #: The worker id the in-process driver leases jobs and ticks with.
@@ -343,29 +344,6 @@ class WorkflowResult:
         raise KeyError(f"run {self.run_id} has no record of stage {stage_id!r}; it has: {have}")
 
 
-def run_error_of(run: WorkflowRun, records: list[WorkflowStage]) -> dict[str, Any] | None:
-    """``run.error`` when the model has it; otherwise the same shape built from the first
-    FAILED stage record of a FAILED run (``error_type`` from a ``"Name: message"`` text)."""
-    if any(f.name == "error" for f in WorkflowRun._meta.get_fields()):
-        return getattr(run, "error", None)
-    if run.status != Status.FAILED:
-        return None
-    for record in records:
-        if record.status == Status.FAILED and record.error_message:
-            name, sep, _ = record.error_message.partition(": ")
-            return {
-                "stage_id": record.stage_id,
-                "message": record.error_message,
-                "error_type": name if sep and name.isidentifier() else None,
-                "attempt": record.attempt,
-            }
-    output = run.output if isinstance(run.output, dict) else {}
-    error = output.get("error")
-    if error:
-        return {"stage_id": None, "message": str(error), "error_type": None, "attempt": None}
-    return None
-
-
 def collect_result(kernel: Kernel, run: WorkflowRun) -> WorkflowResult:
     """A :class:`WorkflowResult` for ``run`` (six queries: run, stages, output blobs,
     annotations, events, logs)."""
@@ -378,7 +356,7 @@ def collect_result(kernel: Kernel, run: WorkflowRun) -> WorkflowResult:
         run=run,
         status=str(run.status),
         output=run.output,
-        error=run_error_of(run, records),
+        error=recorded_error(run, records),
         stages=load_outputs(kernel.blobs, records),
         stage_records=records,
         annotations=kernel.annotations.list(run.pk),

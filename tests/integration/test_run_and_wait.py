@@ -99,8 +99,8 @@ def test_a_failed_run_is_returned_with_its_error(db_mode: str) -> None:
     wf = define_workflow(id="bad").pipe(define_stage(id="b", output=Num, execute=boom)).build()
     result = run_and_wait("bad", {}, kernel=make_kernel(wf), drive=True, sleep=lambda s: None)
     assert result.status == "FAILED"
-    error = result.error if isinstance(result.error, str) else result.error["message"]
-    assert "invalid output of stage 'b'" in error
+    assert result.error["stage_id"] == "b" and result.error["error_type"] == "ValidationError"
+    assert "invalid output of stage 'b'" in result.error["message"]
 
 
 @pytest.mark.django_db
