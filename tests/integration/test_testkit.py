@@ -392,3 +392,27 @@ def test_the_plugin_is_registered_and_needs_no_django(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 passed" in proc.stdout
+
+
+@BOTH_DB_MODES
+def test_drive_stops_halfway_so_a_test_can_approve(db_mode: str) -> None:
+    from django_workflows.approval import ApprovalDecision, approve
+    from django_workflows.testing import collect_result, drive
+
+    def publish(ctx: StageContext[ApprovalDecision, Any]) -> dict[str, Any]:
+        return {"published": ctx.input.approved, "by": ctx.input.decided_by}
+
+    wf = (
+        define_workflow(id="reviewed")
+        .pipe(approval_stage(id="review", poll_interval_seconds=60))
+        .pipe(define_stage(id="publish", input=ApprovalDecision, execute=publish))
+        .build()
+    )
+    kernel = make_kernel(wf)
+    run_id = kernel.dispatch(CreateRun("reviewed", {})).workflow_run_id
+    assert drive(kernel, run_id, rounds=3).status == "RUNNING"
+    approve(run_id, by="alice", comment="ok", kernel=kernel)
+    run = run_to_completion(kernel, run_id, advance_seconds=None, max_rounds=5)
+    result = collect_result(kernel, run)
+    assert result.output == {"published": True, "by": "alice"}
+    assert result.annotation("decision.outcome") == "approved"
