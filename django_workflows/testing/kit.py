@@ -101,8 +101,9 @@ def override_stage(workflow: Workflow, stage_id: str, replacement: Override) -> 
     ``annotate``, ...) and may return what the stage may return (output, ``StageResult``,
     ``Suspend`` for an async-batch stage; an async-batch stage whose replacement returns an
     output completes at once). Its output is still validated by the stage's output model. A
-    value that is not callable is a fixed output. Overrides nest (the innermost wins) and
-    apply to kernels made by this test kit only, never to :func:`~django_workflows.get_kernel`.
+    value that is not callable is a fixed output. Overrides are matched by workflow id and
+    stage id, nest (the innermost wins) and apply to kernels made by this test kit only, never
+    to :func:`~django_workflows.get_kernel`.
 
     Raises:
         KeyError: ``stage_id`` is not a stage of ``workflow`` (the message lists the valid ids).
