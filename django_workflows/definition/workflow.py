@@ -184,6 +184,79 @@ class Workflow:
             return self._groups[group - 1]
         return ()
 
+    def stage_index(self, stage_id: str) -> int:
+        """0-based position of ``stage_id`` in definition order, ``-1`` if absent (WF-37)."""
+        node = self._by_id.get(stage_id)
+        return node.stage_number - 1 if node else -1
+
+    def execution_group_of(self, stage_id: str) -> int:
+        """The 1-based execution group of ``stage_id`` (WF-37). Raises ``KeyError`` naming the
+        valid ids for an unknown id."""
+        return self.node(stage_id).execution_group
+
+    def previous_stage_id(self, stage_id: str) -> str | None:
+        """The id of the stage before ``stage_id`` in definition order (``None`` for the first;
+        WF-37). Raises ``KeyError`` naming the valid ids for an unknown id."""
+        index = self.node(stage_id).stage_number - 1
+        return self.stage_ids[index - 1] if index > 0 else None
+
+    # --- schemas (WF-34, WF-37) -------------------------------------------------------------
+
+    @property
+    def input_schema(self) -> dict[str, Any]:
+        """JSON Schema of the workflow input (the input model's)."""
+        return self.input_model.model_json_schema()
+
+    @property
+    def output_schema(self) -> dict[str, Any]:
+        """JSON Schema of the run's output: the last execution group's output (WF-34). For a
+        single stage, its output model's schema (``{}``, any JSON value, when it declares
+        none); for a parallel group, an object keyed by stage id whose members are the
+        stages' output schemas (every member required: a COMPLETED run has them all)."""
+        last = self._groups[-1] if self._groups else ()
+        if len(last) == 1:
+            model = last[0].stage.output_model
+            return model.model_json_schema() if model is not None else {}
+        return _keyed_schema(f"{self.id} output", [node.stage for node in last])
+
+    def stage_configs(self) -> dict[str, dict[str, Any]]:
+        """``{stage_id: {"schema", "defaults", "name", "description"}}`` for every stage, in
+        definition order (WF-37); ``schema`` is the config model's JSON Schema."""
+        return {
+            node.stage.id: {
+                "schema": node.stage.config_model.model_json_schema(),
+                "defaults": node.stage.default_config,
+                "name": node.stage.name,
+                "description": node.stage.description,
+            }
+            for node in self.nodes
+        }
+
+    def estimate_cost(self, input: Any, config: dict[str, Any] | None = None) -> float:
+        """Sum of every stage's ``estimate_cost(input, config[stage_id] or {})`` (stages
+        without an estimator count 0; WF-37, deprecated upstream, kept for parity)."""
+        config = config or {}
+        return float(
+            sum(
+                stage.estimate_cost(input, config.get(stage.id) or {})
+                for stage in self.stages
+                if stage.estimate_cost is not None
+            )
+        )
+
+    def execution_order(self) -> str:
+        """A human-readable plan, one line per execution group (WF-37)::
+
+            1. validate
+            2. reserve | price-shipping (parallel)
+            3. confirm
+        """
+        lines = []
+        for number, group in enumerate(self._groups, start=1):
+            ids = " | ".join(node.stage.id for node in group)
+            lines.append(f"{number}. {ids}{' (parallel)' if len(group) > 1 else ''}")
+        return "\n".join(lines)
+
     # --- config and input (WF-42..44, K-CR-2/3) -------------------------------------------
 
     def default_config(self) -> dict[str, dict[str, Any]]:
@@ -227,6 +300,28 @@ class Workflow:
             ids = [node.stage.id for node in group]
             out.append(ids[0] if len(ids) == 1 else "[" + " | ".join(ids) + "]")
         return out
+
+
+def _keyed_schema(title: str, stages: Sequence[Stage]) -> dict[str, Any]:
+    """JSON Schema of ``{stage_id: output}`` over ``stages`` (shared ``$defs`` hoisted)."""
+    defs: dict[str, Any] = {}
+    properties: dict[str, Any] = {}
+    for stage in stages:
+        if stage.output_model is None:
+            properties[stage.id] = {}
+            continue
+        schema = dict(stage.output_model.model_json_schema(ref_template="#/$defs/{model}"))
+        defs.update(schema.pop("$defs", {}))
+        properties[stage.id] = schema
+    out: dict[str, Any] = {
+        "title": title,
+        "type": "object",
+        "properties": properties,
+        "required": [stage.id for stage in stages],
+    }
+    if defs:
+        out["$defs"] = defs
+    return out
 
 
 class WorkflowBuilder:

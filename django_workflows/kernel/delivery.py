@@ -428,7 +428,12 @@ def execute(kernel: Kernel, delivery: Delivery) -> tuple[ExecutionOutcome, Kerne
     )
     interval = float(workflow_settings.HEARTBEAT_INTERVAL_SECONDS)
     timeout = timeouts.stage_timeout_seconds(d.node.stage)
-    beat = Heartbeat(kernel, d.job.pk, interval, d.run.pk, attempt=d.job.attempt)
+    # Inside an enclosing transaction (a test's atomic block, the test kit) the lease is not
+    # visible to the heartbeat thread's connection until that transaction commits: a beat
+    # could only report the lease lost (or wait for the test's row locks), so there is none,
+    # and no watchdog either (a stage timeout is enforced by the heartbeat thread).
+    beating = Heartbeat if not connection.in_atomic_block else _NoHeartbeat
+    beat = beating(kernel, d.job.pk, interval, d.run.pk, attempt=d.job.attempt)
     if timeout is not None:
         beat.watch(timeout, lambda: _commit_overdue(kernel, d, services, timeout))
     began = time.monotonic()
@@ -1005,6 +1010,17 @@ class _Beater:
 
 
 _beater = _Beater()
+
+
+class _NoHeartbeat(Heartbeat):
+    """A :class:`Heartbeat` that never beats: for a delivery inside an enclosing transaction
+    (see :func:`execute`)."""
+
+    def __enter__(self) -> Heartbeat:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 def in_flight() -> list[Heartbeat]:
