@@ -31,7 +31,8 @@ def enqueue_stage_jobs(
 ) -> list[WorkflowJob]:
     """Enqueue one job per PENDING record (K-CP-4, K-TR-6): priority = run priority, payload =
     ``{"config": run.config}`` (WF-45), queue = its stage's ``queue`` in ``workflow``
-    (``"default"`` for a stage ``workflow`` does not have, or without a workflow).
+    (``"default"`` for a stage ``workflow`` does not have, or without a workflow),
+    ``definition_version`` = the run's (issue 12 item 3).
 
     ``reserve_for``: lease one job to that worker (:meth:`JobQueue.enqueue_jobs`): the first
     whose queue is in ``serves`` (the worker's queues; ``None``: any), and none if no job's
@@ -52,6 +53,7 @@ def enqueue_stage_jobs(
             payload={"config": run.config or {}},
             run_created_at=run.created_at,
             queue=queue_of(rec.stage_id),
+            definition_version=run.definition_version,
         )
         for rec in records
         if rec.status == Status.PENDING

@@ -1,0 +1,204 @@
+"""Definition versions (issue 12 item 3): stored structures, advertised worker versions, and
+the in-flight runs that need a version no worker has.
+
+* A run records the version of the definition it started with (``WorkflowRun.
+  definition_version``: ``define_workflow(version=...)`` or the fingerprint); its jobs carry
+  it (``WorkflowJob.definition_version``). ``""`` means unversioned: any definition runs it.
+* The structure of each version is stored once (``WorkflowDefinitionVersion``) by
+  :func:`ensure_stored` when a run of a version not yet stored is created: a process
+  remembers which versions it stored (after commit), so the common case costs no statement.
+* Workers lease only jobs and PENDING runs of versions their registry runs (the lease
+  statement's own condition, :func:`.locking.versions_clause`).
+* Each worker process advertises the versions it runs (:func:`announce`, one row in
+  ``workflow_worker_versions`` refreshed with its queue presence, expiring like it);
+  :func:`live_versions` reads them, so a job no live worker can run is explained as
+  "waiting for a worker with version X" (:func:`describe_missing_version`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from django.db import transaction
+
+from ..models import Status, WorkflowDefinitionVersion, WorkflowRun, WorkflowWorkerVersions
+
+if TYPE_CHECKING:
+    from ..definition.registry import WorkflowRegistry
+    from ..definition.workflow import Workflow
+    from .leases import LeaseClock
+
+#: ``(workflow_id, version)`` pairs this process knows to be stored (committed).
+_stored: set[tuple[str, str]] = set()
+
+#: Run statuses whose runs still need a definition to make progress.
+IN_FLIGHT = (Status.PENDING, Status.RUNNING)
+
+
+def ensure_stored(workflow: Workflow, now: datetime) -> None:
+    """Store ``workflow``'s structure for its version unless this process already did.
+
+    The first run of a version in a process costs one ``INSERT ... ON CONFLICT DO NOTHING``
+    (another process may have stored it first); the version is remembered once the
+    surrounding transaction commits (a rolled-back insert is tried again next time).
+    """
+    key = (workflow.id, workflow.version)
+    if key in _stored:
+        return
+    WorkflowDefinitionVersion.objects.bulk_create(
+        [
+            WorkflowDefinitionVersion(
+                workflow_id=workflow.id,
+                version=workflow.version,
+                structure=workflow.structure(),
+                takes_over=list(workflow.takes_over),
+                first_seen_at=now,
+            )
+        ],
+        ignore_conflicts=True,
+    )
+    transaction.on_commit(lambda: _stored.add(key))
+
+
+def forget_stored(**_: Any) -> None:
+    """Forget which versions this process stored (after the tables were flushed: tests)."""
+    _stored.clear()
+
+
+def stored_structure(workflow_id: str, version: str) -> dict[str, Any] | None:
+    """The stored structure of ``version`` of ``workflow_id`` (one query), or ``None``."""
+    row = (
+        WorkflowDefinitionVersion.objects.filter(workflow_id=workflow_id, version=version)
+        .values_list("structure", flat=True)
+        .first()
+    )
+    return row if isinstance(row, dict) else None
+
+
+def runnable_map(registry: WorkflowRegistry) -> dict[str, list[str]]:
+    """``{workflow_id: [version, ...]}``: what ``registry``'s definitions run."""
+    found: dict[str, list[str]] = {}
+    for workflow_id, version in registry.runnable_versions():
+        found.setdefault(workflow_id, []).append(version)
+    return found
+
+
+def can_run(versions: dict[str, Iterable[str]], workflow_id: str, version: str) -> bool:
+    """Whether a definition set (``{workflow_id: versions}``) runs ``version`` of
+    ``workflow_id``; always ``True`` for ``""`` (unversioned: any worker takes it).
+    """
+    return not version or version in versions.get(workflow_id, ())
+
+
+# --- Advertised versions ----------------------------------------------------------------------
+
+
+def announce(
+    worker_id: str, registry: WorkflowRegistry, lease_clock: LeaseClock, ttl_seconds: float
+) -> None:
+    """Write or refresh ``worker_id``'s advertised versions (one ``UPDATE``; an ``INSERT`` the
+    first time) until ``now + ttl_seconds`` in lease time, and drop expired rows.
+    """
+    versions = runnable_map(registry)
+    expires = lease_clock.offset(ttl_seconds)
+    updated = WorkflowWorkerVersions.objects.filter(worker_id=worker_id).update(
+        versions=versions, expires_at=expires
+    )
+    if not updated:
+        WorkflowWorkerVersions.objects.bulk_create(
+            [WorkflowWorkerVersions(worker_id=worker_id, versions=versions, expires_at=expires)],
+            ignore_conflicts=True,
+        )
+    WorkflowWorkerVersions.objects.filter(expires_at__lte=lease_clock.now()).delete()
+
+
+def withdraw(worker_id: str) -> None:
+    """Remove ``worker_id``'s advertised versions (a worker that stops cleanly)."""
+    WorkflowWorkerVersions.objects.filter(worker_id=worker_id).delete()
+
+
+def live_versions(*, lease_clock: LeaseClock | None = None) -> dict[str, set[str]]:
+    """``{workflow_id: {version, ...}}`` that at least one live worker runs (one query)."""
+    if lease_clock is None:
+        from .runtime import get_kernel
+
+        lease_clock = get_kernel().lease_clock
+    found: dict[str, set[str]] = {}
+    for versions in WorkflowWorkerVersions.objects.filter(
+        expires_at__gt=lease_clock.now()
+    ).values_list("versions", flat=True):
+        if isinstance(versions, dict):
+            for workflow_id, listed in versions.items():
+                found.setdefault(str(workflow_id), set()).update(str(v) for v in listed or ())
+    return found
+
+
+def describe_missing_version(version: str) -> str:
+    """``"waiting for a worker with version 3"``."""
+    return f"waiting for a worker with version {version}"
+
+
+# --- In-flight runs ---------------------------------------------------------------------------
+
+
+def in_flight_versions() -> dict[tuple[str, str], int]:
+    """``{(workflow_id, definition_version): runs}`` of PENDING and RUNNING runs (one
+    ``GROUP BY`` query; ``""`` for unversioned runs).
+    """
+    from django.db.models import Count
+
+    rows = (
+        WorkflowRun.objects.filter(status__in=IN_FLIGHT)
+        .order_by()
+        .values_list("workflow_id", "definition_version")
+        .annotate(n=Count("id"))
+    )
+    return {(wf, version): n for wf, version, n in rows}
+
+
+def unrunnable(
+    registry: WorkflowRegistry, in_flight: dict[tuple[str, str], int]
+) -> list[tuple[str, str, int]]:
+    """``[(workflow_id, version, runs)]`` (sorted) of in-flight versioned runs whose version no
+    definition of ``registry`` runs (for the system check ``django_workflows.W003``).
+    """
+    runnable = set(registry.runnable_versions())
+    return sorted(
+        (wf, version, n)
+        for (wf, version), n in in_flight.items()
+        if version and (wf, version) not in runnable
+    )
+
+
+def waiting_for_version(run: WorkflowRun, *, lease_clock: LeaseClock | None = None) -> str | None:
+    """The definition version ``run`` waits for a worker with, or ``None``: the run is
+    versioned, PENDING or with a ready PENDING job, workers advertise versions, and none runs
+    the run's version (at most two queries; none for an unversioned or terminal run). For the
+    CLI (``workflows_status``); the admin and the API use
+    :func:`django_workflows.runs.waiting_reasons`.
+    """
+    from django.db.models import Q
+
+    from ..models import WorkflowJob
+
+    version = run.definition_version
+    if not version or run.status not in IN_FLIGHT:
+        return None
+    if lease_clock is None:
+        from .runtime import get_kernel
+
+        lease_clock = get_kernel().lease_clock
+    if run.status == Status.RUNNING and not (
+        WorkflowJob.objects.filter(
+            Q(next_poll_at__isnull=True) | Q(next_poll_at__lte=lease_clock.now()),
+            workflow_run_id=run.pk,
+            status=Status.PENDING,
+        ).exists()
+    ):
+        return None
+    live = live_versions(lease_clock=lease_clock)
+    if not live or version in live.get(run.workflow_id, ()):
+        return None
+    return version
