@@ -202,8 +202,9 @@ def waiting_reasons(
     Used by the admin (list and run page), the HTTP API (``waiting``) and usable by the CLI.
     A ready job whose queue no live worker serves (stage routing) is ``no_worker``: "waiting
     for a gpu worker" (one query on the presence leases, only when a job is queued). A ready
-    job (or a PENDING run) whose definition version no live worker runs, while workers are
-    live, is ``no_worker`` too: "waiting for a worker with version X" (issue 12 item 3; one
+    job, a suspended async-batch stage (its completion checks run on such a worker) or a
+    PENDING run whose definition version no live worker runs, while workers are live, is
+    ``no_worker`` too: "waiting for a worker with version X" (issue 12 item 3; one
     query on the advertised versions).
     """
     from django.utils import timezone
@@ -277,6 +278,17 @@ def waiting_reasons(
                         at=stage.next_poll_at,
                         message=f"waiting for an approval decision{who}",
                         allowed_approvers=approvers,
+                    )
+                )
+            elif version_missing(run.workflow_id, run.definition_version):
+                from .kernel.versions import describe_missing_version
+
+                out.append(
+                    WaitingReason(
+                        "no_worker",
+                        stage.stage_id,
+                        at=stage.next_poll_at,
+                        message=describe_missing_version(run.definition_version),
                     )
                 )
             else:

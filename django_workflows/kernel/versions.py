@@ -77,6 +77,47 @@ def stored_structure(workflow_id: str, version: str) -> dict[str, Any] | None:
     return row if isinstance(row, dict) else None
 
 
+def versions_q(versions: Iterable[tuple[str, str]], prefix: str = "") -> Any:
+    """The ORM form of :func:`.locking.versions_clause` on the run fields behind ``prefix``
+    (``"run__"`` from a stage record): unversioned, of a workflow not in ``versions``, or of
+    one of the ``(workflow_id, version)`` pairs. No pairs: no condition.
+    """
+    from django.db.models import Q
+
+    pairs = list(versions)
+    if not pairs:
+        return Q()
+    allowed = Q(**{f"{prefix}definition_version": ""}) | ~Q(
+        **{f"{prefix}workflow_id__in": sorted({w for w, _ in pairs})}
+    )
+    for workflow_id, version in pairs:
+        allowed |= Q(
+            **{f"{prefix}workflow_id": workflow_id, f"{prefix}definition_version": version}
+        )
+    return allowed
+
+
+def deploy_lease_name(base: str, registry: WorkflowRegistry) -> str:
+    """The name of a singleton maintenance lease (the ``ticker`` and ``maintenance-tick``
+    leases) for the processes running ``registry``'s definitions: ``base`` for an empty
+    registry, else ``base@`` and 12 hex digits of the SHA-1 of its runnable versions.
+
+    Processes of one deploy share the name, so they still tick one at a time; processes of
+    another deploy (other definition versions) tick on their own lease, because only they can
+    claim and poll their versions' runs and stages. The steps every tick shares (reaping
+    stale leases and stuck runs, the outbox flush under its own lease) are safe to run from
+    two ticks at once: each locks the rows it changes.
+    """
+    import hashlib
+    import json
+
+    pairs = registry.runnable_versions()
+    if not pairs:
+        return base
+    digest = hashlib.sha1(json.dumps(pairs).encode()).hexdigest()[:12]
+    return f"{base}@{digest}"
+
+
 def runnable_map(registry: WorkflowRegistry) -> dict[str, list[str]]:
     """``{workflow_id: [version, ...]}``: what ``registry``'s definitions run."""
     found: dict[str, list[str]] = {}
@@ -174,7 +215,8 @@ def unrunnable(
 
 def waiting_for_version(run: WorkflowRun, *, lease_clock: LeaseClock | None = None) -> str | None:
     """The definition version ``run`` waits for a worker with, or ``None``: the run is
-    versioned, PENDING or with a ready PENDING job, workers advertise versions, and none runs
+    versioned, PENDING or with a ready PENDING job or a SUSPENDED one (its completion checks
+    run on a worker of its version), workers advertise versions, and none runs
     the run's version (at most two queries; none for an unversioned or terminal run). For the
     CLI (``workflows_status``); the admin and the API use
     :func:`django_workflows.runs.waiting_reasons`.
@@ -192,9 +234,11 @@ def waiting_for_version(run: WorkflowRun, *, lease_clock: LeaseClock | None = No
         lease_clock = get_kernel().lease_clock
     if run.status == Status.RUNNING and not (
         WorkflowJob.objects.filter(
-            Q(next_poll_at__isnull=True) | Q(next_poll_at__lte=lease_clock.now()),
+            Q(next_poll_at__isnull=True)
+            | Q(next_poll_at__lte=lease_clock.now())
+            | Q(status=Status.SUSPENDED),
             workflow_run_id=run.pk,
-            status=Status.PENDING,
+            status__in=[Status.PENDING, Status.SUSPENDED],
         ).exists()
     ):
         return None
