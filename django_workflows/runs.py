@@ -119,8 +119,9 @@ class WaitingReason:
         reason: ``claim`` (PENDING run, waiting for the tick), ``job_queued`` (a worker has to
             pick the stage's job up), ``retry`` (the job waits out a retry back-off),
             ``executing`` (a worker holds the lease), ``poll`` (a suspended stage waits for its
-            next completion check) or ``approval`` (a suspended approval stage waits for a
-            human decision).
+            next completion check), ``approval`` (a suspended approval stage waits for a
+            human decision) or ``no_worker`` (no live worker serves the job's queue, or none
+            runs the run's definition version: "waiting for a worker with version X").
         stage_id: the stage concerned (``None`` for ``claim``).
         at: when it is due, if known (next poll, retry not-before time; aware datetime).
         message: one human sentence (no interface-specific hint: callers add their own).
