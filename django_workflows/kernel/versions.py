@@ -5,8 +5,9 @@ the in-flight runs that need a version no worker has.
   definition_version``: ``define_workflow(version=...)`` or the fingerprint); its jobs carry
   it (``WorkflowJob.definition_version``). ``""`` means unversioned: any definition runs it.
 * The structure of each version is stored once (``WorkflowDefinitionVersion``) by
-  :func:`ensure_stored` when a run of a version not yet stored is created: a process
-  remembers which versions it stored (after commit), so the common case costs no statement.
+  :func:`ensure_stored` when a run of a version not yet stored is created (right after its
+  transaction commits): a process remembers which versions it stored, so the common case
+  costs no statement.
 * Workers lease only jobs and PENDING runs of versions their registry runs (the lease
   statement's own condition, :func:`.locking.versions_clause`).
 * Each worker process advertises the versions it runs (:func:`announce`, one row in
@@ -17,11 +18,12 @@ the in-flight runs that need a version no worker has.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from django.db import transaction
+from django.db import DatabaseError, transaction
 
 from ..models import Status, WorkflowDefinitionVersion, WorkflowRun, WorkflowWorkerVersions
 
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     from ..definition.registry import WorkflowRegistry
     from ..definition.workflow import Workflow
     from .leases import LeaseClock
+
+logger = logging.getLogger("django_workflows.worker")
 
 #: ``(workflow_id, version)`` pairs this process knows to be stored (committed).
 _stored: set[tuple[str, str]] = set()
@@ -40,26 +44,38 @@ IN_FLIGHT = (Status.PENDING, Status.RUNNING)
 def ensure_stored(workflow: Workflow, now: datetime) -> None:
     """Store ``workflow``'s structure for its version unless this process already did.
 
-    The first run of a version in a process costs one ``INSERT ... ON CONFLICT DO NOTHING``
-    (another process may have stored it first); the version is remembered once the
-    surrounding transaction commits (a rolled-back insert is tried again next time).
+    Once the surrounding transaction commits, the first run of a version in a process costs
+    one ``INSERT ... ON CONFLICT DO NOTHING`` (another process may have stored it first), run
+    after the commit: inside the run's transaction the new row's unique key would make every
+    concurrent first run of that version wait for this transaction. The version is remembered
+    once stored; a failed or rolled-back insert is tried again with the next run. Until then
+    the admin shows the registered definition's stages for runs of its own version.
     """
     key = (workflow.id, workflow.version)
     if key in _stored:
         return
-    WorkflowDefinitionVersion.objects.bulk_create(
-        [
-            WorkflowDefinitionVersion(
-                workflow_id=workflow.id,
-                version=workflow.version,
-                structure=workflow.structure(),
-                takes_over=list(workflow.takes_over),
-                first_seen_at=now,
+    structure, takes_over = workflow.structure(), list(workflow.takes_over)
+
+    def store() -> None:
+        try:
+            WorkflowDefinitionVersion.objects.bulk_create(
+                [
+                    WorkflowDefinitionVersion(
+                        workflow_id=key[0],
+                        version=key[1],
+                        structure=structure,
+                        takes_over=takes_over,
+                        first_seen_at=now,
+                    )
+                ],
+                ignore_conflicts=True,
             )
-        ],
-        ignore_conflicts=True,
-    )
-    transaction.on_commit(lambda: _stored.add(key))
+        except DatabaseError:  # the run committed: never fail its caller over the structure
+            logger.warning("Could not store version %s of workflow %s", key[1], key[0])
+            return
+        _stored.add(key)
+
+    transaction.on_commit(store)
 
 
 def forget_stored(**_: Any) -> None:
