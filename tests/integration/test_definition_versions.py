@@ -503,3 +503,24 @@ def test_the_docs_page_runs() -> None:
         registry.clear()
         for workflow in saved.values():
             registry.register(workflow)
+
+
+def test_another_deploys_ticker_does_not_reap_a_run_waiting_for_its_version(
+    kernel_for: Any,
+) -> None:
+    """A v1 run whose suspended stage no v1 worker polls (none alive) looks idle; a v2 tick
+    must not fail it as stuck (it waits for a worker with its version), a v1 tick may."""
+    old = kernel_for(define_workflow(id="polled", input=Num).pipe(async_stage("wait")).build())
+    new = kernel_for(
+        define_workflow(id="polled", input=Num).pipe(async_stage("wait")).pipe(add(1)).build()
+    )
+    run_id = old.dispatch(CreateRun("polled", {"value": 0})).workflow_run_id
+    old.dispatch(ClaimPendingRuns("old"))
+    process_available_jobs(old, "old", max_jobs=1)
+    from django_workflows.kernel import ReapStuckRuns
+
+    new.clock.advance(7 * 24 * 3600)
+    assert new.dispatch(ReapStuckRuns(stuck_threshold_seconds=60)).failed == 0
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.RUNNING
+    old.clock.advance(7 * 24 * 3600)
+    assert old.dispatch(ReapStuckRuns(stuck_threshold_seconds=60)).failed == 1
