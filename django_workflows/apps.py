@@ -25,6 +25,7 @@ class DjangoWorkflowsConfig(AppConfig):
 
         autodiscover_modules(workflow_settings.AUTODISCOVER_MODULE)
         post_migrate.connect(_install_schedule, sender=self)
+        post_migrate.connect(_forget_stored_versions, sender=self)
         _connect_worker_spawn()
 
 
@@ -41,6 +42,13 @@ def _connect_worker_spawn() -> None:
     from .transport.django_q import on_post_spawn
 
     post_spawn.connect(on_post_spawn, dispatch_uid="django_workflows.supervisor", weak=False)
+
+
+def _forget_stored_versions(**kwargs: Any) -> None:
+    """After ``migrate`` or ``flush`` (tests) the stored definition versions may be gone."""
+    from .kernel.versions import forget_stored
+
+    forget_stored()
 
 
 def _install_schedule(using: str = "default", **kwargs: Any) -> None:

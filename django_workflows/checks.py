@@ -214,3 +214,43 @@ def check_stage_timeouts() -> list[Any]:
         )
         for cluster, stages in sorted(too_long.items())
     ]
+@register()
+def check_definition_versions(app_configs: Any = None, **kwargs: Any) -> list[Any]:
+    """``W004`` (issue 12 item 3): in-flight (PENDING or RUNNING) runs whose definition version
+    no loaded definition runs (neither its ``version`` nor one of its ``takes_over``): this
+    process's workers leave them for a worker that has their version; if none is deployed
+    any more, they never finish. One ``GROUP BY`` query; nothing when the tables do not exist
+    yet (before ``migrate``) or the database cannot be reached.
+    """
+    from django.db import DatabaseError, transaction
+
+    from .definition.registry import registry
+    from .kernel import versions
+
+    try:
+        with transaction.atomic():  # a savepoint: a missing table must not break the caller's
+            in_flight = versions.in_flight_versions()
+    except (DatabaseError, RuntimeError):  # RuntimeError: database access blocked (tests)
+        return []
+    messages: list[Any] = []
+    for workflow_id, version, runs in versions.unrunnable(registry, in_flight):
+        workflow = registry.get(workflow_id)
+        loaded = (
+            f"the loaded definition runs {', '.join(workflow.runs_versions)}"
+            if workflow is not None
+            else "the workflow is not registered here"
+        )
+        messages.append(
+            Warning(
+                f"{runs} in-flight run(s) of workflow {workflow_id!r} need definition version "
+                f"{version!r}, which no loaded definition provides ({loaded}): they wait for a "
+                f"worker with version {version}",
+                hint=(
+                    "Keep workers with that version running until those runs finish, or declare "
+                    f"define_workflow(id={workflow_id!r}, ..., takes_over=[{version!r}]) if "
+                    "this definition can execute them"
+                ),
+                id="django_workflows.W004",
+            )
+        )
+    return messages

@@ -81,6 +81,10 @@ class WorkflowRun(models.Model):
     #: The sequence of the run's latest outbox event (EV-3): appenders bump it under the run's
     #: row lock, so sequences are gap-free without a ``MAX()`` per append.
     event_sequence = models.PositiveBigIntegerField(default=0)
+    #: The version of the definition the run started with (issue 12 item 3): the workflow's
+    #: explicit ``version`` or its fingerprint; ``""`` (runs created before versions existed):
+    #: unversioned, any definition of the workflow may execute it.
+    definition_version = models.CharField(max_length=64, default="", blank=True)
 
     class Meta:
         db_table = "workflow_runs"
@@ -201,6 +205,9 @@ class WorkflowJob(models.Model):
     run_created_at = models.DateTimeField(null=True, blank=True)
     #: The worker pool whose workers may lease the job: its stage's ``queue`` (issue 8 item 5).
     queue = models.CharField(max_length=40, default="default")
+    #: The run's ``definition_version``: a worker leases the job only if one of its definitions
+    #: runs that version (its own or a ``takes_over``); ``""``: any worker.
+    definition_version = models.CharField(max_length=64, default="", blank=True)
 
     class Meta:
         db_table = "workflow_jobs"
@@ -498,3 +505,48 @@ class WorkflowSchedule(models.Model):
             return f"cron {self.cron} ({self.tz})"
         seconds = self.every_seconds or 0
         return f"every {int(seconds) if seconds == int(seconds) else seconds}s"
+class WorkflowDefinitionVersion(models.Model):
+    """The structure of one version of a workflow definition, stored once (issue 12 item 3)
+    when the first run of that version is created: the admin shows each run's own stage list
+    from it, not today's definition.
+
+    ``structure``: :meth:`~django_workflows.definition.workflow.Workflow.structure`
+    (``{"name", "groups": [[{"id", "name", "kind", "queue"}, ...], ...]}``);
+    ``takes_over``: the older versions that definition declared it can take over.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    workflow_id = models.CharField(max_length=200)
+    version = models.CharField(max_length=64)
+    structure = _json(default=dict)
+    takes_over = _json(default=list, blank=True)
+    first_seen_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "workflow_definition_versions"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["workflow_id", "version"], name="wf_definition_version_uniq"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.workflow_id} version {self.version}"
+
+
+class WorkflowWorkerVersions(models.Model):
+    """The definition versions a live worker process can run (issue 12 item 3): one row per
+    worker, refreshed with its queue presence (:func:`django_workflows.kernel.routing.announce`)
+    and expiring like it. ``versions``: ``{workflow_id: [version, ...]}`` (own version and
+    ``takes_over``). Read to explain "waiting for a worker with version X".
+    """
+
+    worker_id = models.CharField(max_length=200, primary_key=True)
+    versions = _json(default=dict)
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "workflow_worker_versions"
+
+    def __str__(self) -> str:
+        return f"versions of worker {self.worker_id}"

@@ -141,8 +141,9 @@ class WaitingReason:
         reason: ``claim`` (PENDING run, waiting for the tick), ``job_queued`` (a worker has to
             pick the stage's job up), ``retry`` (the job waits out a retry back-off),
             ``executing`` (a worker holds the lease), ``poll`` (a suspended stage waits for its
-            next completion check) or ``approval`` (a suspended approval stage waits for a
-            human decision).
+            next completion check), ``approval`` (a suspended approval stage waits for a
+            human decision) or ``no_worker`` (no live worker serves the job's queue, or none
+            runs the run's definition version: "waiting for a worker with version X").
         stage_id: the stage concerned (``None`` for ``claim``).
         at: when it is due, if known (next poll, retry not-before time; aware datetime).
         message: one human sentence (no interface-specific hint: callers add their own).
@@ -201,6 +202,7 @@ def waiting_reasons(
     count_queue: bool = False,
     now: datetime | None = None,
     live_queues: Callable[[], set[str]] | None = None,
+    live_versions: Callable[[], dict[str, set[str]]] | None = None,
 ) -> list[WaitingReason]:
     """Why ``run`` is where it is: one :class:`WaitingReason` per open stage, ``[]`` for a
     terminal run.
@@ -216,17 +218,45 @@ def waiting_reasons(
         live_queues: returns the queues with a live worker (default:
             :func:`django_workflows.kernel.routing.live_queues`, one query); a list page passes
             one memoised function for all its runs.
+        live_versions: returns the definition versions live workers run (default:
+            :func:`django_workflows.kernel.versions.live_versions`, one query); memoised
+            like ``live_queues``.
 
     Used by the admin (list and run page), the HTTP API (``waiting``) and usable by the CLI.
     A ready job whose queue no live worker serves (stage routing) is ``no_worker``: "waiting
-    for a gpu worker" (one query on the presence leases, only when a job is queued).
+    for a gpu worker" (one query on the presence leases, only when a job is queued). A ready
+    job, a suspended async-batch stage (its completion checks run on such a worker) or a
+    PENDING run whose definition version no live worker runs, while workers are live, is
+    ``no_worker`` too: "waiting for a worker with version X" (issue 12 item 3; one
+    query on the advertised versions).
     """
     from django.utils import timezone
 
     from .approval import APPROVAL_KIND
     from .models import TERMINAL_RUN_STATUSES, Status, WorkflowJob, WorkflowStage
 
+    advertised: dict[str, set[str]] | None = None
+
+    def version_missing(workflow_id: str, version: str) -> bool:
+        # Workers advertise what they run, but none runs ``version`` (one query, once).
+        nonlocal advertised
+        if not version:
+            return False
+        if advertised is None:
+            from .kernel import versions
+
+            advertised = (live_versions or versions.live_versions)()
+        return bool(advertised) and version not in advertised.get(workflow_id, ())
+
     if run.status == Status.PENDING:
+        if version_missing(run.workflow_id, run.definition_version):
+            from .kernel.versions import describe_missing_version
+
+            return [
+                WaitingReason(
+                    "no_worker", None, message=describe_missing_version(run.definition_version)
+                )
+            ]
         return [
             WaitingReason(
                 "claim", None, message="waiting for the maintenance tick to claim the run"
@@ -273,6 +303,17 @@ def waiting_reasons(
                         allowed_approvers=approvers,
                     )
                 )
+            elif version_missing(run.workflow_id, run.definition_version):
+                from .kernel.versions import describe_missing_version
+
+                out.append(
+                    WaitingReason(
+                        "no_worker",
+                        stage.stage_id,
+                        at=stage.next_poll_at,
+                        message=describe_missing_version(run.definition_version),
+                    )
+                )
             else:
                 out.append(
                     WaitingReason(
@@ -296,6 +337,22 @@ def waiting_reasons(
                     stage.stage_id,
                     at=job.next_poll_at,
                     message=describe_waiting([job.queue]) or "waiting for a worker",
+                )
+            )
+        elif (
+            job is not None
+            and job.status == Status.PENDING
+            and (job.next_poll_at is None or job.next_poll_at <= now)
+            and version_missing(job.workflow_id, job.definition_version)
+        ):
+            from .kernel.versions import describe_missing_version
+
+            out.append(
+                WaitingReason(
+                    "no_worker",
+                    stage.stage_id,
+                    at=job.next_poll_at,
+                    message=describe_missing_version(job.definition_version),
                 )
             )
         elif job is not None and job.status == Status.PENDING:

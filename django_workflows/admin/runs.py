@@ -202,7 +202,8 @@ class RunChangeList(ChangeList):
 
 def attach_page_data(runs: list[WorkflowRun]) -> None:
     """Set ``completed_stages``, ``stage_records``, ``dw_waiting`` and ``dw_error`` on each run
-    (3 queries at most, whatever the page size: stages, open jobs, live queues)."""
+    (4 queries at most, whatever the page size: stages, open jobs, live queues, live
+    definition versions)."""
     if not runs:
         return
     ids = [r.pk for r in runs]
@@ -227,6 +228,15 @@ def attach_page_data(runs: list[WorkflowRun]) -> None:
             live.append(read())
         return live[0]
 
+    versions: list[dict[str, set[str]]] = []
+
+    def live_versions() -> dict[str, set[str]]:  # one query per page, only if versions matter
+        if not versions:
+            from ..kernel.versions import live_versions as read
+
+            versions.append(read())
+        return versions[0]
+
     for run in runs:
         if "output" in run.get_deferred_fields():
             # the list read only output["error"]: enough for run_error(), no query per row
@@ -235,7 +245,9 @@ def attach_page_data(runs: list[WorkflowRun]) -> None:
         records = sorted(stages[run.pk], key=lambda s: (s.execution_group, s.stage_number))
         run.completed_stages = sum(1 for s in records if s.status == Status.COMPLETED)
         run.stage_records = len(records)
-        run.dw_waiting = waiting_reasons(run, records, jobs[run.pk], live_queues=live_queues)
+        run.dw_waiting = waiting_reasons(
+            run, records, jobs[run.pk], live_queues=live_queues, live_versions=live_versions
+        )
         run.dw_error = run_error(run, records) if run.status == Status.FAILED else None
 
 
@@ -287,6 +299,7 @@ class WorkflowRunAdmin(CappedPaginationMixin, admin.ModelAdmin):
                     "progress_summary",
                     "error_summary",
                     "priority",
+                    "definition_version_summary",
                     "version",
                 )
             },
@@ -319,6 +332,7 @@ class WorkflowRunAdmin(CappedPaginationMixin, admin.ModelAdmin):
         "progress_summary",
         "error_summary",
         "priority",
+        "definition_version_summary",
         "version",
         "created_ms",
         "started_ms",
@@ -519,6 +533,26 @@ class WorkflowRunAdmin(CappedPaginationMixin, admin.ModelAdmin):
             format_html_join("", " — {}", ((p,) for p in parts[1:])),
             note,
         )
+
+    @admin.display(description="definition version")
+    def definition_version_summary(self, obj: WorkflowRun) -> SafeString:
+        """The definition version the run started with and whether this process runs it."""
+        version = obj.definition_version
+        if not version:
+            return format_html("{}", "(unversioned: any definition runs it)")
+        workflow = registry.get(obj.workflow_id)
+        if workflow is None:
+            note = "workflow not registered in this process"
+        elif workflow.version == version:
+            note = "the loaded definition"
+        elif version in workflow.takes_over:
+            note = f"taken over by the loaded version {workflow.version}"
+        else:
+            note = (
+                f"not the loaded version {workflow.version}: only a worker with version "
+                f"{version} runs it"
+            )
+        return format_html("<code>{}</code> ({})", version, note)
 
     @admin.display(description="input")
     def input_json(self, obj: WorkflowRun) -> SafeString | str:
@@ -1102,9 +1136,31 @@ class StageRow:
         return str(value) if value else None
 
 
+def run_structure(run: WorkflowRun) -> list[list[dict[str, Any]]] | None:
+    """The execution groups of the definition ``run`` started with (issue 12 item 3):
+    ``[[{"id", "name", ...}, ...], ...]`` from its version's stored structure (one query),
+    else from the registered definition if it has the run's version (or the run is
+    unversioned), else ``None`` (the version's structure is unknown here).
+    """
+    workflow = registry.get(run.workflow_id)
+    version = run.definition_version
+    if version:
+        from ..kernel.versions import stored_structure
+
+        stored = stored_structure(run.workflow_id, version)
+        if stored is not None and isinstance(stored.get("groups"), list):
+            return stored["groups"]
+        if workflow is None or workflow.version != version:
+            return None
+    if workflow is None:
+        return None
+    return workflow.structure()["groups"]
+
+
 def stage_rows(run: WorkflowRun, stages: list[WorkflowStage]) -> list[StageRow]:
-    """The stage records of ``run`` and, after them in workflow order, the registered
-    workflow's stages that have no record yet (not started)."""
+    """The stage records of ``run`` and, after them in workflow order, the stages of the
+    definition the run started with (:func:`run_structure`: its version, not necessarily
+    today's definition) that have no record yet (not started)."""
     by_id = {s.stage_id: s for s in stages}
     rows = [StageRow(s.stage_id, s.stage_name, s.execution_group, s) for s in stages]
     workflow = registry.get(run.workflow_id)
@@ -1112,13 +1168,14 @@ def stage_rows(run: WorkflowRun, stages: list[WorkflowStage]) -> list[StageRow]:
         for row in rows:
             defined = workflow.get_stage(row.stage_id)
             row.limits = timeouts.text(defined) if defined is not None else ""
-        for sid in workflow.stage_ids:
-            if sid not in by_id:
-                node = workflow.node(sid)
+    for group_number, group in enumerate(run_structure(run) or [], start=1):
+        for entry in group if isinstance(group, list) else []:
+            sid = str(entry.get("id", ""))
+            if sid and sid not in by_id:
+                defined = workflow.get_stage(sid) if workflow is not None else None
+                limits = timeouts.text(defined) if defined is not None else ""
                 rows.append(
-                    StageRow(
-                        sid, node.stage.name, node.execution_group, None, timeouts.text(node.stage)
-                    )
+                    StageRow(sid, str(entry.get("name") or sid), group_number, None, limits)
                 )
     rows.sort(key=lambda r: r.execution_group)
     return rows

@@ -334,6 +334,11 @@ class RunSerializer(serializers.Serializer):
     started_at = serializers.DateTimeField(allow_null=True)
     completed_at = serializers.DateTimeField(allow_null=True)
     duration_ms = serializers.IntegerField(allow_null=True)
+    definition_version = serializers.CharField(
+        allow_blank=True,
+        help_text="the version of the definition the run started with (explicit or a "
+        "fingerprint 'fp-...'); empty: unversioned",
+    )
 
 
 class StageSerializer(serializers.Serializer):

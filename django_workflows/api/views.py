@@ -65,6 +65,7 @@ RUN_LIST_FIELDS = (
     "started_at",
     "completed_at",
     "duration_ms",
+    "definition_version",
 )
 
 

@@ -27,6 +27,7 @@ class WorkflowRegistry:
     def __init__(self) -> None:
         self._workflows: dict[str, Workflow] = {}
         self._schedules: dict[str, ScheduleDefinition] = {}
+        self._runnable: tuple[tuple[str, str], ...] | None = None
 
     def register_schedule(self, schedule: ScheduleDefinition) -> ScheduleDefinition:
         """Add ``schedule`` (replacing a definition of the same name) and return it. Its input
@@ -76,10 +77,25 @@ class WorkflowRegistry:
                 f"A workflow with id {workflow.id!r} is already registered"
             )
         self._workflows[workflow.id] = workflow
+        self._runnable = None
         return workflow
 
     def unregister(self, workflow_id: str) -> None:
         self._workflows.pop(workflow_id, None)
+        self._runnable = None
+
+    def runnable_versions(self) -> tuple[tuple[str, str], ...]:
+        """``((workflow_id, version), ...)`` sorted: every definition version whose runs this
+        registry's workflows execute (each one's own version and its ``takes_over``; issue 12
+        item 3). Workers lease only jobs and PENDING runs of these (or unversioned ones).
+        Cached until the registry changes.
+        """
+        found = self._runnable
+        if found is None:
+            found = self._runnable = tuple(
+                sorted((wf.id, v) for wf in self._workflows.values() for v in wf.runs_versions)
+            )
+        return found
 
     def get(self, workflow_id: str) -> Workflow | None:
         """The workflow with ``workflow_id`` or ``None``."""
@@ -97,6 +113,7 @@ class WorkflowRegistry:
     def clear(self) -> None:
         self._workflows.clear()
         self._schedules.clear()
+        self._runnable = None
 
 
 #: The process-wide registry filled by autodiscovery.

@@ -17,6 +17,9 @@ for a parallel group (WF-40).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -24,6 +27,28 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from .stage import NoInput, Stage, WorkflowDefinitionError, format_validation_error, validate_id
+
+#: Explicit definition versions (``define_workflow(version=...)``): 1-64 printable characters
+#: without spaces, not starting with :data:`FINGERPRINT_PREFIX` (reserved for fingerprints).
+VERSION_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+@/-]{0,63}$")
+#: A fingerprint version is this prefix and 16 hex digits of a SHA-256 (see
+#: :meth:`Workflow.fingerprint_material`).
+FINGERPRINT_PREFIX = "fp-"
+#: Bumped when the fingerprint material changes shape (it is part of the hashed document).
+FINGERPRINT_FORMAT = 1
+
+
+def _validate_version(workflow_id: str, field: str, value: object) -> str:
+    if not isinstance(value, str) or not VERSION_PATTERN.match(value):
+        raise WorkflowDefinitionError(
+            f"Workflow {workflow_id!r}: {field} must be a string of 1-64 letters, digits or "
+            f"'._:+@/-' starting with a letter or digit, got {value!r}"
+        )
+    return value
+
+
+def _schema(model: type[BaseModel] | None) -> Any:
+    return None if model is None else model.model_json_schema()
 
 
 class ParallelInput(BaseModel):
@@ -120,6 +145,8 @@ class Workflow:
         description: str,
         input_model: type[BaseModel],
         groups: Sequence[Sequence[Stage]],
+        version: str | None = None,
+        takes_over: Iterable[str] = (),
     ) -> None:
         self.id = id
         self.name = name
@@ -136,6 +163,32 @@ class Workflow:
             nodes.append(tuple(placed))
         self._groups = tuple(nodes)
         self._by_id = {node.stage.id: node for group in self._groups for node in group}
+        #: Whether :attr:`version` was given (``define_workflow(version=...)``) rather than
+        #: computed (:meth:`fingerprint`).
+        self.version_is_explicit = version is not None
+        if version is not None:
+            _validate_version(id, "version", version)
+            if version.startswith(FINGERPRINT_PREFIX):
+                raise WorkflowDefinitionError(
+                    f"Workflow {id!r}: version {version!r} may not start with "
+                    f"{FINGERPRINT_PREFIX!r} (reserved for fingerprints); leave version unset "
+                    "to use the fingerprint"
+                )
+        #: The definition version every run of this workflow records
+        #: (``WorkflowRun.definition_version``): the explicit version, else the fingerprint.
+        self.version: str = version if version is not None else self.fingerprint()
+        if isinstance(takes_over, str):
+            raise WorkflowDefinitionError(
+                f"Workflow {id!r}: takes_over must be a list of versions, not the string "
+                f"{takes_over!r}"
+            )
+        older = tuple(_validate_version(id, "takes_over", v) for v in takes_over)
+        if self.version in older:
+            raise WorkflowDefinitionError(
+                f"Workflow {id!r}: takes_over lists its own version {self.version!r}"
+            )
+        #: Older versions whose in-flight runs this definition may execute (sorted).
+        self.takes_over: tuple[str, ...] = tuple(sorted(set(older)))
 
     # --- queries (WF-37) ------------------------------------------------------------------
 
@@ -256,6 +309,72 @@ class Workflow:
             ids = " | ".join(node.stage.id for node in group)
             lines.append(f"{number}. {ids}{' (parallel)' if len(group) > 1 else ''}")
         return "\n".join(lines)
+    # --- definition versions (issue 12 item 3) --------------------------------------------
+
+    @property
+    def runs_versions(self) -> tuple[str, ...]:
+        """The versions whose runs this definition executes: its own, then :attr:`takes_over`."""
+        return (self.version, *self.takes_over)
+
+    def fingerprint_material(self) -> dict[str, Any]:
+        """What the fingerprint hashes: the execution groups in order, each stage's id, kind
+        (``mode``: ``"sync"`` / ``"async-batch"``) and the JSON schemas of its input, output
+        and config models (``None`` for a stage without an output model), plus the workflow's
+        input schema and :data:`FINGERPRINT_FORMAT`.
+
+        Names, descriptions, queues, default values outside the schemas and the stage
+        functions' code are not in it: renaming a stage's title or moving it to another pool
+        keeps the version; adding, removing, re-ordering or re-typing a stage changes it.
+        """
+        return {
+            "format": FINGERPRINT_FORMAT,
+            "input": _schema(self.input_model),
+            "groups": [
+                [
+                    {
+                        "id": node.stage.id,
+                        "kind": node.stage.mode,
+                        "input": _schema(node.stage.input_model),
+                        "output": _schema(node.stage.output_model),
+                        "config": _schema(node.stage.config_model),
+                    }
+                    for node in group
+                ]
+                for group in self._groups
+            ],
+        }
+
+    def fingerprint(self) -> str:
+        """``"fp-"`` and the first 16 hex digits of the SHA-256 of
+        :meth:`fingerprint_material` as canonical JSON (keys sorted, no spaces, ASCII): the
+        same in every process and Python version for the same definition (no ``hash()``, no
+        object ids); it changes with the pydantic schema output only if pydantic changes it.
+        """
+        text = json.dumps(
+            self.fingerprint_material(), sort_keys=True, separators=(",", ":"), ensure_ascii=True
+        )
+        return FINGERPRINT_PREFIX + hashlib.sha256(text.encode("ascii")).hexdigest()[:16]
+
+    def structure(self) -> dict[str, Any]:
+        """The definition as stored once per version (``WorkflowDefinitionVersion.structure``)
+        for the admin's view of a run: ``{"name", "groups": [[{"id", "name", "kind",
+        "queue"}, ...], ...]}``.
+        """
+        return {
+            "name": self.name,
+            "groups": [
+                [
+                    {
+                        "id": node.stage.id,
+                        "name": node.stage.name,
+                        "kind": node.stage.mode,
+                        "queue": node.stage.queue,
+                    }
+                    for node in group
+                ]
+                for group in self._groups
+            ],
+        }
 
     # --- config and input (WF-42..44, K-CR-2/3) -------------------------------------------
 
@@ -330,9 +449,17 @@ class WorkflowBuilder:
     """
 
     def __init__(
-        self, id: str, name: str, description: str = "", input: type[BaseModel] | None = None
+        self,
+        id: str,
+        name: str,
+        description: str = "",
+        input: type[BaseModel] | None = None,
+        version: str | None = None,
+        takes_over: Iterable[str] = (),
     ) -> None:
         self.id = validate_id("workflow", id)
+        self.version = version
+        self.takes_over = takes_over
         self.name = name or id
         self.description = description
         self.input_model = input or NoInput
@@ -410,11 +537,31 @@ class WorkflowBuilder:
             description=self.description,
             input_model=self.input_model,
             groups=[list(g) for g in self._groups],
+            version=self.version,
+            takes_over=self.takes_over,
         )
 
 
 def define_workflow(
-    *, id: str, name: str | None = None, input: type[BaseModel] | None = None, description: str = ""
+    *,
+    id: str,
+    name: str | None = None,
+    input: type[BaseModel] | None = None,
+    description: str = "",
+    version: str | None = None,
+    takes_over: Iterable[str] = (),
 ) -> WorkflowBuilder:
-    """Start a workflow definition (WF-30). ``input=None`` accepts any object and ignores it."""
-    return WorkflowBuilder(id, name or id, description, input)
+    """Start a workflow definition (WF-30). ``input=None`` accepts any object and ignores it.
+
+    Args:
+        version: the definition version its runs record (issue 12 item 3): 1-64 letters,
+            digits or ``._:+@/-``; default: the fingerprint of the structure and schemas
+            (:meth:`Workflow.fingerprint`).
+        takes_over: older versions whose in-flight runs this definition may execute (a
+            worker with it also leases their jobs); must not include ``version``.
+
+    Raises:
+        WorkflowDefinitionError: (at :meth:`WorkflowBuilder.build`) a malformed ``version``
+            or ``takes_over`` entry, naming the field.
+    """
+    return WorkflowBuilder(id, name or id, description, input, version, takes_over)

@@ -133,7 +133,10 @@ def lease(kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None) 
 
     ``queues``: the queues this worker serves (``None``: all). Only their jobs are leased; a
     claimed run whose first jobs are of other queues is started, its jobs left PENDING for
-    their queues' workers (woken after commit), and the next job is tried.
+    their queues' workers (woken after commit), and the next job is tried. Only jobs and
+    PENDING runs of definition versions this process's registry runs are leased or claimed
+    (``kernel.registry.runnable_versions()``; issue 12 item 3): the others stay for a
+    worker that has their version.
 
     A job whose run is not RUNNING is failed as a ghost, a job whose stage record is already
     COMPLETED (K-JE-5) is completed and its run transitioned, and the next job is tried.
@@ -197,13 +200,16 @@ def _lease_transaction(
             locked[job.pk] = run  # type: ignore[assignment]
             return True
 
-        job = kernel.queue.lease_next(worker_id, accept=run_is_free, queues=queues)
+        versions = kernel.registry.runnable_versions()  # issue 12 item 3: same statement
+        job = kernel.queue.lease_next(
+            worker_id, accept=run_is_free, queues=queues, versions=versions
+        )
         run: WorkflowRun | None
         records: list[WorkflowStage] | None = None
         if job is not None:
             run = locked[job.pk]
         else:
-            run = claim_next_pending_run()
+            run = claim_next_pending_run(versions)
             if run is None:
                 return None
             started = start_claimed_run(

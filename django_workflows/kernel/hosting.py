@@ -264,6 +264,16 @@ def wake_ready_jobs(kernel: Kernel, *, older_than_seconds: float, limit: int = 8
 
 
 TICK_LEASE = "maintenance-tick"
+
+
+def tick_lease_name(kernel: Kernel) -> str:
+    """The ``maintenance-tick`` lease of ``kernel``'s deploy
+    (:func:`.versions.deploy_lease_name`)."""
+    from .versions import deploy_lease_name
+
+    return deploy_lease_name(TICK_LEASE, kernel.registry)
+
+
 #: A ready job older than this without a worker gets a fresh wake-up from the tick.
 WAKE_AFTER_SECONDS = 2.0
 
@@ -271,8 +281,9 @@ WAKE_AFTER_SECONDS = 2.0
 def run_maintenance_tick(kernel: Kernel, worker_id: str) -> TickResult:
     """One maintenance tick (H-10), each step in its own error boundary.
 
-    Ticks never overlap (Part I item 18): a tick that cannot take the ``maintenance-tick``
-    lease returns at once with ``skipped=True``. The lease lasts
+    Ticks of one deploy never overlap (Part I item 18): a tick that cannot take the
+    ``maintenance-tick`` lease (:func:`tick_lease_name`: one per set of definition versions,
+    issue 12 item 3) returns at once with ``skipped=True``. The lease lasts
     :func:`maintenance_lease_seconds` and is refreshed while the tick runs
     (:class:`LeaseKeeper`), so a tick may take longer than that, and a tick whose process died
     stops blocking the others after that long.
@@ -283,8 +294,9 @@ def run_maintenance_tick(kernel: Kernel, worker_id: str) -> TickResult:
         # connection that transaction lives on.
         close_old_connections()
     ttl = maintenance_lease_seconds()
+    name = tick_lease_name(kernel)
     taken = retry_on_disconnect(
-        lambda: acquire_lease(kernel, TICK_LEASE, worker_id, ttl), what="maintenance lease"
+        lambda: acquire_lease(kernel, name, worker_id, ttl), what="maintenance lease"
     )
     if not taken:
         out.skipped = True
@@ -293,11 +305,11 @@ def run_maintenance_tick(kernel: Kernel, worker_id: str) -> TickResult:
         if connection.in_atomic_block:  # nobody else can see the lease before the commit
             _tick_steps(kernel, worker_id, out)
         else:
-            with LeaseKeeper(kernel, TICK_LEASE, worker_id, ttl, lease_heartbeat_seconds(ttl)):
+            with LeaseKeeper(kernel, name, worker_id, ttl, lease_heartbeat_seconds(ttl)):
                 _tick_steps(kernel, worker_id, out)
     finally:
         retry_on_disconnect(
-            lambda: release_lease(TICK_LEASE, worker_id), what="maintenance lease release"
+            lambda: release_lease(name, worker_id), what="maintenance lease release"
         )
     return out
 

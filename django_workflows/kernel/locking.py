@@ -19,6 +19,34 @@ from ..models import Status, WorkflowJob, WorkflowRun
 from . import rows
 from .errors import InvalidCommandError, RunNotRunningError
 
+#: ``((workflow_id, definition_version), ...)``: the definition versions a worker runs
+#: (:meth:`~django_workflows.definition.registry.WorkflowRegistry.runnable_versions`).
+VersionPairs = tuple[tuple[str, str], ...]
+
+
+def versions_clause(versions: VersionPairs | None) -> tuple[str, list[Any], int]:
+    """The version condition of the lease and claim statements (issue 12 item 3) and its
+    parameters: a row passes when it is unversioned (``definition_version = ''``), or its
+    workflow is none of ``versions``' workflows (this process does not have it: the lease
+    goes on as before, K-CP-2 fails such a run), or its ``(workflow_id,
+    definition_version)`` is one of ``versions``. So a worker leaves a row only when it has
+    the workflow but not a definition that runs the row's version.
+
+    ``versions=None`` or ``()``: no condition (``n = -1`` / ``0``). Row values
+    (``(a, b) IN (VALUES ...)``) work on PostgreSQL and SQLite (>= 3.15).
+    """
+    if not versions:
+        return "", [], -1 if versions is None else 0
+    ids = sorted({workflow_id for workflow_id, _ in versions})
+    values = ", ".join(["(%s, %s)"] * len(versions))
+    params: list[Any] = [*ids, *(item for pair in versions for item in pair)]
+    return (
+        f" AND (definition_version = '' OR workflow_id NOT IN ({', '.join(['%s'] * len(ids))})"
+        f" OR (workflow_id, definition_version) IN (VALUES {values}))",
+        params,
+        len(versions) * 1000 + len(ids),
+    )
+
 
 def parse_run_id(value: Any, field: str = "workflow_run_id") -> uuid.UUID:
     """``value`` as a UUID. Raises :class:`InvalidCommandError` naming ``field``."""
@@ -59,13 +87,17 @@ def require_running(run_id: uuid.UUID) -> WorkflowRun:
     return run
 
 
-def claim_next_pending_run() -> WorkflowRun | None:
-    """Lock the PENDING run with the highest priority, oldest first (DM-33); skip locked rows."""
+def claim_next_pending_run(versions: VersionPairs | None = None) -> WorkflowRun | None:
+    """Lock the PENDING run with the highest priority, oldest first (DM-33); skip locked rows.
+    ``versions``: skip runs of these workflows whose definition version is none of these
+    (:func:`versions_clause`; issue 12 item 3); ``None``: any.
+    """
+    in_versions, params, nv = versions_clause(versions)
     found = rows.select(
         WorkflowRun,
-        "claim_next_pending_run",
-        "status = %s",
-        [Status.PENDING.value],
+        f"claim_next_pending_run:{nv}",
+        f"status = %s{in_versions}",
+        [Status.PENDING.value, *params],
         order_by="priority DESC, created_at ASC, id ASC",
         limit=1,
         lock="skip",
@@ -74,7 +106,10 @@ def claim_next_pending_run() -> WorkflowRun | None:
 
 
 def claim_next_job(
-    now: Any, exclude: Iterable[int] = (), queues: Iterable[str] | None = None
+    now: Any,
+    exclude: Iterable[int] = (),
+    queues: Iterable[str] | None = None,
+    versions: VersionPairs | None = None,
 ) -> WorkflowJob | None:
     """Lock the ready PENDING job with the highest priority, oldest run first (DM-41), so a
     run that has started finishes before newer runs start.
@@ -82,13 +117,15 @@ def claim_next_job(
     ``now``: lease time (a datetime or the database's ``Now()``). ``exclude``: job ids this
     transaction already looked at (and still holds locks on). ``queues``: only jobs of these
     queues (issue 8 item 5; the claim index leads with status and queue); ``None``: any.
+    ``versions``: skip jobs of these workflows whose definition version is none of these
+    (:func:`versions_clause`; issue 12 item 3); ``None``: any.
     """
     exclude = list(exclude)
     queue_list = sorted(queues) if queues is not None else None
     if queue_list is not None and not queue_list:
         return None
     if hasattr(now, "resolve_expression") and not isinstance(now, Now):
-        return _claim_next_job_orm(now, exclude, queue_list)  # another expression: the ORM
+        return _claim_next_job_orm(now, exclude, queue_list, versions)  # another expression
     params: list[Any] = [Status.PENDING.value]
     in_queues = ""
     if queue_list is not None:
@@ -104,12 +141,14 @@ def claim_next_job(
         ready = "%s"
         params.append(rows.prep(WorkflowJob, "next_poll_at", now))
     not_in, ids = rows.ids_clause("id", exclude)
+    in_versions, version_params, nv = versions_clause(versions)
     nq = -1 if queue_list is None else len(queue_list)
     found = rows.select(
         WorkflowJob,
-        f"claim_next_job:{ready != '%s'}:{len(ids)}:{nq}",
-        f"status = %s{in_queues} AND (next_poll_at IS NULL OR next_poll_at <= {ready}){not_in}",
-        params + ids,
+        f"claim_next_job:{ready != '%s'}:{len(ids)}:{nq}:{nv}",
+        f"status = %s{in_queues} AND (next_poll_at IS NULL OR next_poll_at <= {ready})"
+        f"{in_versions}{not_in}",
+        params + version_params + ids,
         order_by="priority DESC, run_created_at ASC, id ASC",
         limit=1,
         lock="skip",
@@ -118,7 +157,7 @@ def claim_next_job(
 
 
 def _claim_next_job_orm(
-    now: Any, exclude: list[int], queues: list[str] | None
+    now: Any, exclude: list[int], queues: list[str] | None, versions: VersionPairs | None
 ) -> WorkflowJob | None:
     qs = WorkflowJob.objects.select_for_update(skip_locked=True).filter(
         Q(next_poll_at__isnull=True) | Q(next_poll_at__lte=now), status=Status.PENDING
@@ -127,6 +166,11 @@ def _claim_next_job_orm(
         qs = qs.filter(queue__in=queues)
     if exclude:
         qs = qs.exclude(pk__in=exclude)
+    if versions:
+        allowed = Q(definition_version="") | ~Q(workflow_id__in={w for w, _ in versions})
+        for workflow_id, version in versions:
+            allowed |= Q(workflow_id=workflow_id, definition_version=version)
+        qs = qs.filter(allowed)
     return qs.order_by("-priority", "run_created_at", "id").first()
 
 

@@ -33,7 +33,7 @@ from ..models import Status, WorkflowJob
 from ..ports import Clock, JobTransport
 from . import rows
 from .leases import LeaseClock
-from .locking import claim_next_job, lock_exhausted_stale_jobs
+from .locking import VersionPairs, claim_next_job, lock_exhausted_stale_jobs
 
 #: ``on_exhausted(job, message) -> bool``: settle a job whose deliveries are used up; ``False``
 #: means "not now" (its run is locked by another transaction) and leaves the job as it is.
@@ -56,7 +56,8 @@ def exhausted_message(job: WorkflowJob) -> str:
 class JobSpec:
     """A job to enqueue (DM-40). ``queue``: its stage's worker pool (issue 8 item 5).
     ``max_attempts``: its delivery limit, the stage's ``retry.max_attempts`` (``None``: the
-    ``MAX_ATTEMPTS`` setting).
+    ``MAX_ATTEMPTS`` setting). ``definition_version``: its run's (issue 12 item 3; ``""``: any
+    worker).
     """
 
     workflow_run_id: uuid.UUID
@@ -68,6 +69,7 @@ class JobSpec:
     run_created_at: datetime | None = None
     queue: str = DEFAULT_QUEUE
     max_attempts: int | None = None
+    definition_version: str = ""
 
 
 class JobQueue:
@@ -121,6 +123,7 @@ class JobQueue:
                 next_poll_at=s.next_poll_at,
                 run_created_at=s.run_created_at or now,
                 queue=s.queue,
+                definition_version=s.definition_version,
             )
             for s in specs
         ]
@@ -142,17 +145,21 @@ class JobQueue:
         return jobs
 
     def dequeue(
-        self, worker_id: str, *, queues: frozenset[str] | None = None
+        self,
+        worker_id: str,
+        *,
+        queues: frozenset[str] | None = None,
+        versions: VersionPairs | None = None,
     ) -> WorkflowJob | None:
         """Lease the next ready job: RUNNING, ``attempt + 1``, lease stamped (DM-41, SM-20).
 
         A ready job whose delivery count has reached ``max_attempts`` is not leased: it is given
         up (:meth:`give_up`) and the next ready job is considered (Part I item 3, EC-21).
-        Database errors propagate (they are not an empty queue). ``queues``: see
+        Database errors propagate (they are not an empty queue). ``queues``, ``versions``: see
         :meth:`lease_next`.
         """
         with transaction.atomic():
-            return self.lease_next(worker_id, queues=queues)
+            return self.lease_next(worker_id, queues=queues, versions=versions)
 
     def lease_next(
         self,
@@ -160,18 +167,24 @@ class JobQueue:
         *,
         accept: Callable[[WorkflowJob], bool] | None = None,
         queues: frozenset[str] | None = None,
+        versions: VersionPairs | None = None,
     ) -> WorkflowJob | None:
         """:meth:`dequeue` inside the caller's transaction (the caller commits the lease).
 
         Ready jobs are served by priority, then oldest run first, so a started run finishes
         before newer runs start (depth-first within a priority). ``accept(job)``: asked
         before a job is leased; a job it refuses is passed over. ``queues``: lease only jobs
-        of these queues (the worker's pools); ``None``: any queue.
+        of these queues (the worker's pools); ``None``: any queue. ``versions``: the worker's
+        definitions (:meth:`.WorkflowRegistry.runnable_versions`; issue 12 item 3): a job of
+        one of their workflows is leased only if it is unversioned or its
+        ``definition_version`` is one of theirs, in the same statement; ``None``: any.
         """
         now = self.clock.now()
         seen: list[int] = []
         while True:
-            job = claim_next_job(self.lease_clock.now(), exclude=seen, queues=queues)
+            job = claim_next_job(
+                self.lease_clock.now(), exclude=seen, queues=queues, versions=versions
+            )
             if job is None:
                 return None
             seen.append(job.pk)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.db.models import Q
@@ -29,6 +29,9 @@ from ..conf import workflow_settings
 from ..definition.stage import DEFAULT_QUEUE as DEFAULT_QUEUE
 from ..models import MaintenanceLease, Status, WorkflowJob
 from .leases import LeaseClock, acquire_lease
+
+if TYPE_CHECKING:
+    from ..definition.registry import WorkflowRegistry
 
 #: Prefix of the presence rows in ``workflow_maintenance_leases``.
 PRESENCE_PREFIX = "worker:"
@@ -128,17 +131,28 @@ def _presence_name(queue: str, worker_id: str) -> str:
 
 
 def announce(
-    worker_id: str, queues: Iterable[str], *, lease_clock: LeaseClock | None = None
+    worker_id: str,
+    queues: Iterable[str],
+    *,
+    lease_clock: LeaseClock | None = None,
+    registry: WorkflowRegistry | None = None,
 ) -> None:
     """Write or refresh ``worker_id``'s presence for each queue (lease time: the database's
-    clock) and drop presence rows of those queues that expired. Safe from any thread (it uses
-    that thread's connection; the caller closes it when the thread idles).
+    clock) and drop presence rows of those queues that expired; also advertise the definition
+    versions it runs (``registry``, default the kernel's: :func:`.versions.announce`, issue
+    12 item 3). Safe from any thread (it uses that thread's connection; the caller closes it
+    when the thread idles).
     """
-    if lease_clock is None:
+    from . import versions as definition_versions
+
+    if lease_clock is None or registry is None:
         from .runtime import get_kernel
 
-        lease_clock = get_kernel().lease_clock
+        kernel = get_kernel()
+        lease_clock = lease_clock or kernel.lease_clock
+        registry = registry if registry is not None else kernel.registry
     ttl = presence_ttl_seconds()
+    definition_versions.announce(worker_id, registry, lease_clock, ttl)
     queues = sorted(set(queues))
     for queue in queues:
         acquire_lease(lease_clock, _presence_name(queue, worker_id), worker_id, ttl)
@@ -151,8 +165,11 @@ def announce(
 
 def withdraw(worker_id: str, queues: Iterable[str]) -> None:
     """Remove ``worker_id``'s presence rows (a worker that stops cleanly)."""
+    from .versions import withdraw as withdraw_versions
+
     names = [_presence_name(q, worker_id) for q in queues]
     MaintenanceLease.objects.filter(name__in=names, owner=worker_id).delete()
+    withdraw_versions(worker_id)
 
 
 def live_queues(*, lease_clock: LeaseClock | None = None) -> set[str]:

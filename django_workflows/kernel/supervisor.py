@@ -83,17 +83,25 @@ class Duty(Protocol):
         """The process is stopping: give up what the duty holds; do no more work."""
 
 
-def ticker_needed(lease_clock: leases.LeaseClock) -> bool:
+def ticker_lease_name(kernel: Kernel) -> str:
+    """The ``ticker`` lease of ``kernel``'s deploy (:func:`.versions.deploy_lease_name`: one
+    ticker per set of definition versions, issue 12 item 3)."""
+    from .versions import deploy_lease_name
+
+    return deploy_lease_name(TICKER_LEASE, kernel.registry)
+
+
+def ticker_needed(lease_clock: leases.LeaseClock, name: str = TICKER_LEASE) -> bool:
     """Whether there is maintenance to do - a run PENDING or RUNNING, an outbox event
     waiting to be published, or an unpaused schedule due (``next_fire_at`` passed; a schedule
-    due hours from now does not count) - while nobody holds an unexpired ``ticker`` lease
+    due hours from now does not count) - while nobody holds an unexpired ticker lease ``name``
     (expiry and due times judged in lease time, the database's clock). One query
     (``SELECT (EXISTS .. OR EXISTS .. OR EXISTS ..) AND NOT EXISTS ..``).
 
     The outbox counts: a process that committed a run's last events and stopped (SIGTERM)
     before its flusher published them leaves work that no run shows.
     """
-    held = MaintenanceLease.objects.filter(name=TICKER_LEASE, expires_at__gt=lease_clock.now())
+    held = MaintenanceLease.objects.filter(name=name, expires_at__gt=lease_clock.now())
     due = WorkflowSchedule.objects.filter(paused=False, next_fire_at__lte=lease_clock.now())
     parts = [_exists(_live_runs()), _exists(_outbox_backlog()), _exists(due), _exists(held)]
     sql = f"SELECT ({parts[0][0]} OR {parts[1][0]} OR {parts[2][0]}) AND NOT {parts[3][0]}"
@@ -161,6 +169,7 @@ class TickerDuty:
         self._kernel = kernel
         self.owner = owner
         self.holding = False
+        self._held_name = TICKER_LEASE
         self.stopped = False
         self.ticks = 0
         self._next_check = 0.0
@@ -178,22 +187,24 @@ class TickerDuty:
             check = float(workflow_settings.SUPERVISOR_INTERVAL_SECONDS)
             kernel = self._kernel()
             ttl = ticker_lease_seconds()
+            name = ticker_lease_name(kernel)
             if not self.holding:
                 if now < self._next_check:
                     return self._next_check - now
                 self._next_check = now + check
                 close_old_connections()
-                if not ticker_needed(kernel.lease_clock):
+                if not ticker_needed(kernel.lease_clock, name):
                     return check
-                if not leases.acquire_lease(kernel.lease_clock, TICKER_LEASE, self.owner, ttl):
+                if not leases.acquire_lease(kernel.lease_clock, name, self.owner, ttl):
                     return check
                 self.holding = True
+                self._held_name = name
                 self._next_tick = now
                 self._next_renew = now + ttl / 3
                 logger.info("%s holds the ticker lease", self.owner)
             if now >= self._next_renew:
                 self._next_renew = now + ttl / 3
-                if not leases.renew_lease(kernel.lease_clock, TICKER_LEASE, self.owner, ttl):
+                if not leases.renew_lease(kernel.lease_clock, name, self.owner, ttl):
                     self._drop(release=False)
                     return check
             if now >= self._next_tick:
@@ -220,7 +231,7 @@ class TickerDuty:
     def _drop(self, *, release: bool) -> None:
         self.holding = False
         if release:
-            leases.release_lease(TICKER_LEASE, self.owner)
+            leases.release_lease(self._held_name, self.owner)
 
     def stop(self) -> None:
         with self._lock:

@@ -56,12 +56,12 @@ from ..kernel.hosting import (
 )
 from ..kernel.runtime import get_kernel
 from ..kernel.supervisor import (
-    TICKER_LEASE,
     StopDuty,
     StopSignal,
     Supervisor,
     TickerDuty,
     exit_now,
+    ticker_lease_name,
 )
 from ..kernel.supervisor import (
     ticker_lease_seconds as ticker_lease_seconds,
@@ -325,7 +325,7 @@ class DjangoQTransport:
         supervisor = current_supervisor()
         if supervisor is not None:  # a worker process: its own supervisor looks at once
             supervisor.poke(TickerDuty.name)
-        elif lease_is_free(get_kernel(), TICKER_LEASE):
+        elif lease_is_free(get_kernel(), ticker_lease_name(get_kernel())):
             self._send(TICKER_TASK, routing.default_cluster())
 
 

@@ -150,7 +150,10 @@ from django_workflows.models import MaintenanceLease
 last = None
 deadline = time.monotonic() + {timeout}
 while time.monotonic() < deadline:
-    row = MaintenanceLease.objects.filter(name="ticker").values_list("owner", flat=True).first()
+    row = (
+        MaintenanceLease.objects.filter(name__startswith="ticker@")
+        .values_list("owner", flat=True).first()
+    )
     if row != last:
         print(json.dumps([time.monotonic(), row]), flush=True)
         last = row

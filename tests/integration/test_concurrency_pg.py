@@ -372,8 +372,8 @@ def test_claim_pending_two_concurrent_claims_of_one_run_one_wins(
     hold = {"on": False}
     held, released = threading.Event(), threading.Event()
 
-    def holding_claim() -> WorkflowRun | None:
-        run = real_claim()
+    def holding_claim(*args: Any, **kwargs: Any) -> WorkflowRun | None:
+        run = real_claim(*args, **kwargs)
         if run is not None and hold["on"]:
             held.set()
             _wait(released, "the second claim")

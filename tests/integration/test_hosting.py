@@ -24,11 +24,11 @@ from django_workflows.kernel import CancelRun, CreateRun, Kernel
 from django_workflows.kernel import events as ev
 from django_workflows.kernel.executor import ExecutionInput, ExecutionOutcome, LocalExecutor
 from django_workflows.kernel.hosting import (
-    TICK_LEASE,
     acquire_lease,
     execute_job,
     process_available_jobs,
     run_maintenance_tick,
+    tick_lease_name,
 )
 from django_workflows.models import (
     MaintenanceLease,
@@ -360,9 +360,9 @@ def test_ticks_never_overlap(kernel_for: KernelFor, clock: FakeClock) -> None:
     assert (first.skipped, first.claimed) == (False, 1)
     assert nested[0].skipped is True
     assert (nested[0].claimed, nested[0].events_flushed) == (0, 0)
-    assert not MaintenanceLease.objects.filter(name=TICK_LEASE).exists()
+    assert not MaintenanceLease.objects.filter(name=tick_lease_name(kernel)).exists()
 
-    assert acquire_lease(kernel, TICK_LEASE, "dead-ticker", ttl_seconds=60)
+    assert acquire_lease(kernel, tick_lease_name(kernel), "dead-ticker", ttl_seconds=60)
     other = _create(kernel)
     assert run_maintenance_tick(kernel, "ticker").skipped is True
     assert _run(other).status == Status.PENDING

@@ -17,11 +17,11 @@ import pytest
 
 from django_workflows.kernel import CancelRun, ClaimPendingRuns, CreateRun, Kernel, hosting
 from django_workflows.kernel.hosting import (
-    TICK_LEASE,
     LeaseKeeper,
     acquire_lease,
     maintenance_lease_seconds,
     run_maintenance_tick,
+    tick_lease_name,
 )
 from django_workflows.kernel.supervisor import TickerDuty
 from django_workflows.models import MaintenanceLease, OutboxEvent, Status, WorkflowRun
@@ -49,14 +49,18 @@ def test_tick_lease_of_a_dead_ticker_expires_after_stale_lease_seconds(
     ticks only until ``STALE_LEASE_SECONDS`` have passed, not for a fixed 60 s.
     """
     kernel = kernel_for(two_stage())
-    assert acquire_lease(kernel, TICK_LEASE, "dead-ticker", maintenance_lease_seconds())
+    assert acquire_lease(
+        kernel, tick_lease_name(kernel), "dead-ticker", maintenance_lease_seconds()
+    )
 
     assert run_maintenance_tick(kernel, "new-ticker").skipped is True
     clock.advance(2.5)
     assert run_maintenance_tick(kernel, "new-ticker").skipped is True
     clock.advance(1)
     assert run_maintenance_tick(kernel, "new-ticker").skipped is False
-    assert not MaintenanceLease.objects.filter(name=TICK_LEASE).exists()  # released after
+    assert not MaintenanceLease.objects.filter(
+        name=tick_lease_name(kernel)
+    ).exists()  # released after
 
 
 def test_lease_keeper_refreshes_only_its_own_lease(
@@ -66,17 +70,17 @@ def test_lease_keeper_refreshes_only_its_own_lease(
     so ticks never overlap), and a lease taken over by another owner is never refreshed.
     """
     kernel = kernel_for(two_stage())
-    assert acquire_lease(kernel, TICK_LEASE, "a", 3)
-    keeper = LeaseKeeper(kernel, TICK_LEASE, "a", 3, 1)
+    assert acquire_lease(kernel, tick_lease_name(kernel), "a", 3)
+    keeper = LeaseKeeper(kernel, tick_lease_name(kernel), "a", 3, 1)
     for _ in range(4):
         clock.advance(2)
         assert keeper.beat() is True
-        assert acquire_lease(kernel, TICK_LEASE, "b", 3) is False
+        assert acquire_lease(kernel, tick_lease_name(kernel), "b", 3) is False
     clock.advance(3.5)  # "a" stopped refreshing: dead
-    assert acquire_lease(kernel, TICK_LEASE, "b", 3) is True
-    expires = MaintenanceLease.objects.get(name=TICK_LEASE).expires_at
+    assert acquire_lease(kernel, tick_lease_name(kernel), "b", 3) is True
+    expires = MaintenanceLease.objects.get(name=tick_lease_name(kernel)).expires_at
     assert keeper.beat() is False
-    lease = MaintenanceLease.objects.get(name=TICK_LEASE)
+    lease = MaintenanceLease.objects.get(name=tick_lease_name(kernel))
     assert (lease.owner, lease.expires_at) == ("b", expires)
 
 

@@ -61,8 +61,11 @@ def _duty(kernel: Kernel, owner: str) -> TickerDuty:
 
 
 def _holder() -> str | None:
+    """The owner of the ticker lease (``ticker@<deploy>``: one per definition-version set)."""
     return (
-        MaintenanceLease.objects.filter(name=TICKER_LEASE).values_list("owner", flat=True).first()
+        MaintenanceLease.objects.filter(name__startswith=TICKER_LEASE + "@")
+        .values_list("owner", flat=True)
+        .first()
     )
 
 

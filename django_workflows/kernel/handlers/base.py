@@ -33,6 +33,7 @@ def enqueue_stage_jobs(
     ``{"config": run.config}`` (WF-45), queue = its stage's ``queue`` in ``workflow``
     (``"default"`` for a stage ``workflow`` does not have, or without a workflow),
     ``max_attempts`` = its stage's ``retry.max_attempts`` (else the ``MAX_ATTEMPTS`` setting).
+    ``definition_version`` = the run's (issue 12 item 3).
 
     ``reserve_for``: lease one job to that worker (:meth:`JobQueue.enqueue_jobs`): the first
     whose queue is in ``serves`` (the worker's queues; ``None``: any), and none if no job's
@@ -61,6 +62,7 @@ def enqueue_stage_jobs(
             run_created_at=run.created_at,
             queue=queue_of(rec.stage_id),
             max_attempts=max_attempts_of(rec.stage_id),
+            definition_version=run.definition_version,
         )
         for rec in records
         if rec.status == Status.PENDING

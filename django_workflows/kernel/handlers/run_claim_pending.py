@@ -64,8 +64,9 @@ def _fail(
 def handle(kernel: Kernel, cmd: ClaimPendingRuns) -> HandlerOutput:
     claimed: list[ClaimedRun] = []
     events: list[dict[str, Any]] = []
+    versions = kernel.registry.runnable_versions()  # issue 12 item 3
     for _ in range(max(0, cmd.max_claims)):
-        run = claim_next_pending_run()
+        run = claim_next_pending_run(versions)
         if run is None:
             break
         started = start_claimed_run(kernel, run, cmd.worker_id, events)

@@ -24,6 +24,7 @@ from ..errors import (
 )
 from ..jsonvalue import json_type, storable_json_error
 from ..store import write_annotations
+from ..versions import ensure_stored
 from .base import HandlerOutput
 
 if TYPE_CHECKING:
@@ -93,7 +94,9 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
         config=config,
         priority=cmd.priority,
         metadata=cmd.metadata,
+        definition_version=workflow.version,
     )
+    ensure_stored(workflow, now)  # no statement once this process stored the version
     events = [ev.event(ev.WORKFLOW_CREATED, run.pk, now, workflow_id=workflow.id)]
     events += write_annotations(run.pk, inputs, now=now)
     transaction.on_commit(kernel.transport.wake_claimer)

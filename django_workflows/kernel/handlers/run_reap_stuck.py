@@ -5,7 +5,9 @@ A RUNNING run is a candidate when neither it nor any of its stage records change
 
 * a RUNNING job with a fresh lease (heartbeats keep it fresh, EC-22);
 * a SUSPENDED stage whose next poll or deadline is still ahead (EC-23);
-* a PENDING job waiting in the queue (EC-24).
+* a PENDING job waiting in the queue (EC-24);
+* a run of a definition version this process does not run (issue 12 item 3): its suspended
+  stages are polled, and its stuck-ness judged, by a process of its own version.
 
 For each candidate (row-locked, re-checked RUNNING): a run with no active stage record is
 advanced by the transition rules instead of failed (its work is done: the next group is
@@ -31,6 +33,7 @@ from .. import events as ev
 from ..commands import ReapStuckRuns, ReapStuckRunsResult
 from ..locking import lock_run
 from ..store import run_error, stages_of, update_run
+from ..versions import versions_q
 from .base import HandlerOutput, enqueue_stage_jobs
 from .run_transition import advance
 
@@ -45,6 +48,9 @@ def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
     run_ref = OuterRef("pk")
     candidates = list(
         WorkflowRun.objects.filter(status=Status.RUNNING, updated_at__lte=since)
+        # Only runs of versions this process runs (issue 12 item 3): a run whose suspended
+        # stage only a worker of its own version can poll is not stuck, it waits for one.
+        .filter(versions_q(kernel.registry.runnable_versions()))
         .exclude(Exists(WorkflowStage.objects.filter(run=run_ref, updated_at__gt=since)))
         .exclude(
             Exists(

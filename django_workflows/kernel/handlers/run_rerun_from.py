@@ -22,6 +22,7 @@ from ..errors import RunNotFoundError, RunStateError, StageNotFoundError, Workfl
 from ..jsonvalue import storable_text
 from ..locking import lock_run, parse_run_id
 from ..store import create_missing_stages, stages_of, update_run
+from ..versions import ensure_stored
 from .base import HandlerOutput, enqueue_stage_jobs
 
 if TYPE_CHECKING:
@@ -72,8 +73,13 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
         error=None,
         total_cost=0,
         total_tokens=0,
+        # The rerun's stages come from this process's definition: the run now follows its
+        # version (issue 12 item 3), so workers of that version run the new jobs.
+        definition_version=workflow.version,
     )
     run.status = Status.RUNNING
+    run.definition_version = workflow.version
+    ensure_stored(workflow, now)
     new = create_missing_stages(run, workflow.stages_in_group(target), attempt=attempt, now=now)
     enqueue_stage_jobs(kernel.queue, run, new, workflow=workflow)
     return HandlerOutput(

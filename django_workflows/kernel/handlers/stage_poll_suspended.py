@@ -1,6 +1,8 @@
 """``stage.pollSuspended`` (SPEC §4.7, K-PS-1..9; Part I items 1, 9, 11).
 
-For each due SUSPENDED stage (``next_poll_at <= now``, at most ``max_checks``):
+For each due SUSPENDED stage (``next_poll_at <= now``, at most ``max_checks``) of a run whose
+definition version this process runs (or of a workflow it does not have; issue 12 item 3,
+:func:`..versions.versions_q`):
 
 * run missing -> skipped; run not RUNNING -> the stage is CANCELLED without calling
   ``check_completion`` (Part I item 11);
@@ -40,6 +42,7 @@ from ..locking import require_running
 from ..outbox import append_events, new_causation_id
 from ..services import KernelStageServices
 from ..store import duration_ms, run_error, update_run, write_annotations
+from ..versions import versions_q
 
 if TYPE_CHECKING:
     from ..dispatch import Kernel
@@ -57,6 +60,7 @@ def handle(kernel: Kernel, cmd: PollSuspendedStages) -> PollSuspendedStagesResul
     now = kernel.clock.now()
     due = list(
         WorkflowStage.objects.filter(status=Status.SUSPENDED, next_poll_at__lte=now)
+        .filter(versions_q(kernel.registry.runnable_versions(), "run__"))  # issue 12 item 3
         .select_related("run")
         .order_by("next_poll_at")[: max(0, cmd.max_checks)]
     )

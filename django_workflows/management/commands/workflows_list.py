@@ -1,8 +1,12 @@
-"""``manage.py workflows_list [--json]``: the registered workflows and their execution groups.
+"""``manage.py workflows_list [--json]``: the registered workflows, their execution groups and
+definition versions (issue 12 item 3: the loaded version, the versions it takes over, and the
+in-flight runs per version; one ``GROUP BY`` query, none if the tables do not exist yet).
 
 ::
 
     package-report  Installed package report
+      version: fp-3f1c2a9b0d4e5f67 (fingerprint); in flight: fp-3f1c2a9b0d4e5f67 2 runs,
+               fp-0a1b2c3d4e5f6a7b 1 run (no loaded definition runs it)
       discover -> [parse-metadata | text-stats] -> dependency-graph -> report
         1  discover          sync         Discover installed distributions
         2  parse-metadata    sync         Parse metadata headers
@@ -25,12 +29,46 @@ from django_workflows.definition.workflow import Workflow
 from django_workflows.kernel import timeouts
 
 
-def workflow_document(workflow: Workflow) -> dict[str, Any]:
-    """The JSON description of one workflow (``workflows_list --json``)."""
+def in_flight_by_workflow() -> dict[str, dict[str, int]]:
+    """``{workflow_id: {definition_version: in-flight runs}}`` (``""``: unversioned); ``{}``
+    when the runs table cannot be read (before ``migrate``).
+    """
+    from django.db import DatabaseError, transaction
+
+    from django_workflows.kernel.versions import in_flight_versions
+
+    try:
+        with transaction.atomic():
+            counts = in_flight_versions()
+    except DatabaseError:
+        return {}
+    found: dict[str, dict[str, int]] = {}
+    for (workflow_id, version), runs in sorted(counts.items()):
+        found.setdefault(workflow_id, {})[version] = runs
+    return found
+
+
+def workflow_document(
+    workflow: Workflow, in_flight: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """The JSON description of one workflow (``workflows_list --json``); ``in_flight``: its
+    PENDING/RUNNING runs per definition version (:func:`in_flight_by_workflow`).
+    """
     return {
         "id": workflow.id,
         "name": workflow.name,
         "description": workflow.description,
+        "version": workflow.version,
+        "version_is_explicit": workflow.version_is_explicit,
+        "takes_over": list(workflow.takes_over),
+        "in_flight": [
+            {
+                "version": version,
+                "runs": runs,
+                "runnable": not version or version in workflow.runs_versions,
+            }
+            for version, runs in sorted((in_flight or {}).items())
+        ],
         "groups": workflow.describe_groups(),
         "stages": [
             {
@@ -60,8 +98,11 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **opts: Any) -> None:
         workflows = list(registry)
+        in_flight = in_flight_by_workflow()
         if opts["json"]:
-            document = {"workflows": [workflow_document(wf) for wf in workflows]}
+            document = {
+                "workflows": [workflow_document(wf, in_flight.get(wf.id)) for wf in workflows]
+            }
             self.stdout.write(json.dumps(document, indent=2, default=str))
             return
         if not workflows:
@@ -70,13 +111,26 @@ class Command(BaseCommand):
         for index, workflow in enumerate(workflows):
             if index:
                 self.stdout.write("")
-            self._write_workflow(workflow)
+            self._write_workflow(workflow, in_flight.get(workflow.id) or {})
 
-    def _write_workflow(self, workflow: Workflow) -> None:
+    def _write_workflow(self, workflow: Workflow, in_flight: dict[str, int]) -> None:
         write = self.stdout.write
         write(f"{workflow.id}  {workflow.name}")
         if workflow.description:
             write(f"  {workflow.description}")
+        kind = "explicit" if workflow.version_is_explicit else "fingerprint"
+        line = f"  version: {workflow.version} ({kind})"
+        if workflow.takes_over:
+            line += f"; takes over {', '.join(workflow.takes_over)}"
+        counts = []
+        for version, runs in sorted(in_flight.items()):
+            label = version or "(unversioned)"
+            text = f"{label} {runs} run{'s' if runs != 1 else ''}"
+            if version and version not in workflow.runs_versions:
+                text += " (no loaded definition runs it)"
+            counts.append(text)
+        line += "; in flight: " + (", ".join(counts) if counts else "none")
+        write(line)
         write("  " + " -> ".join(workflow.describe_groups()))
         width = max(len(node.stage.id) for node in workflow.nodes)
         for node in workflow.nodes:

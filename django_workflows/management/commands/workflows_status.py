@@ -15,6 +15,7 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.core.serializers.json import DjangoJSONEncoder
 
 from django_workflows.kernel.routing import describe_waiting, waiting_for_worker
+from django_workflows.kernel.versions import describe_missing_version, waiting_for_version
 from django_workflows.models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 
 from ...runs import error_details
@@ -73,10 +74,14 @@ def run_document(
 ) -> dict[str, Any]:
     """The JSON document of ``workflows_status --json``; ``job`` is the stage's newest job;
     ``waiting_for_worker`` lists the queues of ready jobs that no live worker serves and
-    ``waiting_reason`` says so (``"waiting for a gpu worker"``, else ``null``).
+    ``waiting_reason`` says so (``"waiting for a gpu worker"``, else ``null``);
+    ``waiting_for_version`` is the run's ``definition_version`` when workers are live but none
+    runs it (``waiting_reason``: ``"waiting for a worker with version X"``), else ``null``.
     """
     jobs = jobs if jobs is not None else latest_jobs(run)
     waiting = waiting_for_worker(run.pk) if run.status in (Status.PENDING, Status.RUNNING) else []
+    version = None if waiting else waiting_for_version(run)
+    reason = describe_waiting(waiting) or (describe_missing_version(version) if version else None)
     return {
         "id": str(run.pk),
         "workflow_id": run.workflow_id,
@@ -90,8 +95,10 @@ def run_document(
         "error": run_error(run, stages),
         "error_detail": run.error,
         "traceback": failed_traceback(run, stages),
+        "definition_version": run.definition_version,
         "waiting_for_worker": waiting,
-        "waiting_reason": describe_waiting(waiting),
+        "waiting_for_version": version,
+        "waiting_reason": reason,
         "input": run.input,
         "config": run.config,
         "output": run.output,
@@ -162,6 +169,7 @@ class Command(BaseCommand):
         write(f"  workflow:  {run.workflow_id} ({run.workflow_name})")
         write(f"  status:    {run.status}")
         write(f"  priority:  {run.priority}")
+        write(f"  version:   {run.definition_version or '(unversioned)'}")
         write(f"  created:   {format_datetime(run.created_at)}")
         write(f"  started:   {format_datetime(run.started_at)}")
         write(f"  completed: {format_datetime(run.completed_at)}")
@@ -177,6 +185,9 @@ class Command(BaseCommand):
             write("             (the stage's traceback: --traceback)")
         if run.status in (Status.PENDING, Status.RUNNING):
             waiting = describe_waiting(waiting_for_worker(run.pk))
+            if not waiting:
+                version = waiting_for_version(run)
+                waiting = describe_missing_version(version) if version else None
             if waiting:
                 write(f"  waiting:   {waiting}")
         if not stages:

@@ -88,7 +88,9 @@ def worker_loop(
                 announced = queues
                 if announced is None:
                     announced = frozenset(routing.queue_clusters()) | set(routing.stage_queues())
-                routing.announce(worker_id, announced, lease_clock=kernel.lease_clock)
+                routing.announce(
+                    worker_id, announced, lease_clock=kernel.lease_clock, registry=kernel.registry
+                )
                 if write is not None and (tick.did_work or tick.errors):
                     write(format_tick(tick))
             batch = process_available_jobs(
