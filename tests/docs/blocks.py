@@ -42,7 +42,12 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}"
+        return f"{_rel(self.path)}:{self.line}"
+
+
+def _rel(path: Path) -> Path:
+    """``path`` relative to the repository (as it is when outside it)."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 
 
 def pages() -> list[Path]:
@@ -74,7 +79,7 @@ def blocks(path: Path) -> list[Block]:
             body.append(lines[i])
             i += 1
         if i >= len(lines):
-            raise ValueError(f"{path.relative_to(ROOT)}:{opened}: fence is never closed")
+            raise ValueError(f"{_rel(path)}:{opened}: fence is never closed")
         found.append(Block(path, " ".join(info.split()), opened + 1, "\n".join(body) + "\n"))
         i += 1
     return found
