@@ -676,8 +676,13 @@ class WorkflowRunAdmin(CappedPaginationMixin, admin.ModelAdmin):
         for error in errors:
             self.message_user(request, f"Could not cancel {error}", messages.ERROR)
 
-    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
-        actions = super().get_actions(request)
+    def get_actions(self, request: HttpRequest, action_location: Any = None) -> dict[str, Any]:
+        # Django 6.1 passes ``action_location`` (and deprecates overrides without that
+        # parameter); Django 5.2 knows no such argument.
+        if action_location is None:
+            actions = super().get_actions(request)
+        else:
+            actions = super().get_actions(request, action_location)  # type: ignore[call-arg]
         if "delete_selected" in actions:
             actions["delete_selected"] = (
                 WorkflowRunAdmin.delete_terminal_runs,

@@ -479,32 +479,6 @@ def test_workflows_list_shows_versions_and_in_flight_runs(kernel_for: Any) -> No
 # --- the docs page ---------------------------------------------------------------------------
 
 
-def test_the_docs_page_runs() -> None:
-    """``docs/versions.md``: every ``python`` block in one namespace, every ``$ python manage.py``
-    line of a ``console`` block through ``call_command`` (until the docs harness does it)."""
-    import re
-    import shlex
-
-    text = (ROOT / "docs" / "versions.md").read_text()
-    namespace: dict[str, Any] = {"__name__": "docs_versions"}
-    blocks = re.findall(r"```(python|console)\n(.*?)```", text, flags=re.S)
-    assert len(blocks) >= 5
-    saved = dict(registry._workflows)
-    try:
-        for kind, body in blocks:
-            if kind == "python":
-                exec(compile(body, "docs/versions.md", "exec"), namespace)
-            else:
-                for line in body.splitlines():
-                    if line.startswith("$ python manage.py "):
-                        args = shlex.split(line[len("$ python manage.py ") :])
-                        call_command(*args, stdout=io.StringIO())
-    finally:
-        registry.clear()
-        for workflow in saved.values():
-            registry.register(workflow)
-
-
 def test_another_deploys_ticker_does_not_reap_a_run_waiting_for_its_version(
     kernel_for: Any,
 ) -> None:

@@ -388,6 +388,10 @@ def test_the_work_task_leases_its_clusters_queues_and_announces_them(
 
     from django_workflows.kernel.runtime import get_kernel
 
+    # The supervisor's duties are run here, in this thread: a supervisor thread of its own
+    # would write to the shared in-memory SQLite test database at the same time as this
+    # thread, which fails at once with "database table is locked" (no busy timeout there).
+    monkeypatch.setattr(dq, "ensure_supervisor", lambda: None)
     workflow = define_workflow(id="gpu-only", input=Num).pipe(_gpu()).build()
     registry.register(workflow)
     try:
