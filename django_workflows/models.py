@@ -83,8 +83,9 @@ class WorkflowRun(models.Model):
     event_sequence = models.PositiveBigIntegerField(default=0)
     #: The version of the definition the run started with (issue 12 item 3): the workflow's
     #: explicit ``version`` or its fingerprint; ``""`` (runs created before versions existed):
-    #: unversioned, any definition of the workflow may execute it.
-    definition_version = models.CharField(max_length=64, default="", blank=True)
+    #: unversioned, any definition of the workflow may execute it. Also the database default,
+    #: so rows inserted by code that predates the column (a rolling deploy) are unversioned.
+    definition_version = models.CharField(max_length=64, default="", db_default="", blank=True)
 
     class Meta:
         db_table = "workflow_runs"
@@ -206,8 +207,9 @@ class WorkflowJob(models.Model):
     #: The worker pool whose workers may lease the job: its stage's ``queue`` (issue 8 item 5).
     queue = models.CharField(max_length=40, default="default")
     #: The run's ``definition_version``: a worker leases the job only if one of its definitions
-    #: runs that version (its own or a ``takes_over``); ``""``: any worker.
-    definition_version = models.CharField(max_length=64, default="", blank=True)
+    #: runs that version (its own or a ``takes_over``); ``""``: any worker (also the database
+    #: default, for rows inserted by code that predates the column).
+    definition_version = models.CharField(max_length=64, default="", db_default="", blank=True)
 
     class Meta:
         db_table = "workflow_jobs"
