@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from django.conf import settings
@@ -37,10 +38,15 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
         "STAGE_TIMEOUT_GRACE_SECONDS",
     ):
         value = getattr(workflow_settings, name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value <= 0
+        ):
             messages.append(
                 Error(
-                    f"DJANGO_WORKFLOWS['{name}'] must be a positive number, got {value!r}",
+                    f"DJANGO_WORKFLOWS['{name}'] must be a positive, finite number, got {value!r}",
                     id="django_workflows.E002",
                 )
             )

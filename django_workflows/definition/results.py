@@ -131,8 +131,8 @@ class StageFailed(Exception):
             e.g. ``"DuplicateSku"``: a short name a program can branch on.
 
     Raises:
-        TypeError: ``message`` is not a non-empty string, or ``error_type`` is neither ``None``
-            nor a non-empty string.
+        TypeError: ``message`` is not a non-empty string, ``retryable`` is not a bool, or
+            ``error_type`` is neither ``None`` nor a non-empty string.
     """
 
     def __init__(
@@ -140,11 +140,13 @@ class StageFailed(Exception):
     ) -> None:
         if not isinstance(message, str) or not message:
             raise TypeError(f"StageFailed: message must be a non-empty string, got {message!r}")
+        if not isinstance(retryable, bool):  # "no" would be truthy: a retry nobody meant
+            raise TypeError(f"StageFailed: retryable must be True or False, got {retryable!r}")
         if error_type is not None and (not isinstance(error_type, str) or not error_type):
             raise TypeError(
                 f"StageFailed: error_type must be None or a non-empty string, got {error_type!r}"
             )
         super().__init__(message)
         self.message = message
-        self.retryable = bool(retryable)
+        self.retryable = retryable
         self.error_type = error_type or "StageFailed"

@@ -148,6 +148,12 @@ class RetryPolicy:
                 raise WorkflowDefinitionError(
                     f"RetryPolicy.{name} must be a finite number of seconds >= 0, got {value!r}"
                 )
+        base, cap = self.backoff_base_seconds, self.backoff_max_seconds
+        if base is not None and cap is not None and base > cap:
+            raise WorkflowDefinitionError(
+                f"RetryPolicy.backoff_base_seconds ({base!r}) must not exceed "
+                f"backoff_max_seconds ({cap!r}): every wait would be the cap"
+            )
 
     @classmethod
     def of(cls, value: RetryPolicy | int | None) -> RetryPolicy | None:

@@ -437,7 +437,7 @@ def execute(kernel: Kernel, delivery: Delivery) -> tuple[ExecutionOutcome, Kerne
     # Inside an enclosing transaction (a test's atomic block, the test kit) the lease is not
     # visible to the heartbeat thread's connection until that transaction commits: a beat
     # could only report the lease lost (or wait for the test's row locks), so there is none,
-    # and no watchdog either (a stage timeout is enforced by the heartbeat thread).
+    # and no watchdog either: a stage timeout is then judged when the body returns (below).
     beating = Heartbeat if not connection.in_atomic_block else _NoHeartbeat
     beat = beating(kernel, d.job.pk, interval, d.run.pk, attempt=d.job.attempt)
     if timeout is not None:
@@ -466,6 +466,8 @@ def execute(kernel: Kernel, delivery: Delivery) -> tuple[ExecutionOutcome, Kerne
             error_type="TaskTimeout",
             stopped=exc,
         )
+    if timeout is not None and beating is _NoHeartbeat and time.monotonic() - began > timeout:
+        beat.timed_out.set()  # as the watchdog would have: a test sees the production outcome
     if beat.timed_out.is_set():  # past the deadline: whatever the body returned is discarded
         stopped = outcome.stopped
         outcome = timeouts.timed_out(d.node.stage, timeout)  # type: ignore[arg-type]

@@ -411,7 +411,21 @@ def test_the_new_settings_must_be_positive(settings: Any, name: str) -> None:
 
     settings.DJANGO_WORKFLOWS = {**settings.DJANGO_WORKFLOWS, name: 0}
     found = [m.msg for m in checks.check_settings() if m.id == "django_workflows.E002"]
-    assert found == [f"DJANGO_WORKFLOWS['{name}'] must be a positive number, got 0"]
+    assert found == [f"DJANGO_WORKFLOWS['{name}'] must be a positive, finite number, got 0"]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_duration_setting_must_be_finite(settings: Any, value: float) -> None:
+    """E002 names a duration setting that is NaN or infinite (NaN compares false with 0, so
+    it passed the positive check, and every lease or grace computed from it was NaN)."""
+    from django_workflows import checks
+
+    settings.DJANGO_WORKFLOWS = {**settings.DJANGO_WORKFLOWS, "STAGE_TIMEOUT_GRACE_SECONDS": value}
+    found = [m.msg for m in checks.check_settings() if m.id == "django_workflows.E002"]
+    assert found == [
+        "DJANGO_WORKFLOWS['STAGE_TIMEOUT_GRACE_SECONDS'] must be a positive, finite number, "
+        f"got {value!r}"
+    ]
 
 
 def test_a_wake_up_taken_by_a_stopping_worker_leases_nothing_and_is_handed_on(

@@ -416,3 +416,29 @@ def test_drive_stops_halfway_so_a_test_can_approve(db_mode: str) -> None:
     result = collect_result(kernel, run)
     assert result.output == {"published": True, "by": "alice"}
     assert result.annotation("decision.outcome") == "approved"
+
+
+@pytest.mark.django_db
+def test_a_stage_timeout_applies_inside_the_tests_transaction_too() -> None:
+    """Inside a test's transaction there is no heartbeat thread, so no watchdog: the timeout is
+    judged when the body returns, and a body that overran fails with ``StageTimeout`` as in
+    production instead of completing (a test asserting success would hide the timeout)."""
+    import time
+
+    @stage(id="slow", timeout_seconds=0.05, retry=1)
+    def slow(ctx: StageContext[Order]) -> Priced:
+        time.sleep(0.15)  # real time is what the timeout measures
+        return Priced(cost=1.0)
+
+    @stage(id="quick", timeout_seconds=30, retry=1)
+    def quick(ctx: StageContext[Order]) -> Priced:
+        return Priced(cost=2.0)
+
+    assert connection.in_atomic_block
+    order = {"sku": "a-1", "qty": 1}
+    overran = run_workflow(define_workflow(id="tk-slow", input=Order).pipe(slow).build(), order)
+    assert overran.status == "FAILED"
+    assert overran.run.error["error_type"] == "StageTimeout", overran.run.error
+    assert "timed out after 0.05 s" in overran.run.error["message"]
+    fine = run_workflow(define_workflow(id="tk-quick", input=Order).pipe(quick).build(), order)
+    assert (fine.status, fine.output) == ("COMPLETED", {"cost": 2.0})

@@ -232,6 +232,7 @@ def test_retry_shorthand_and_policy() -> None:
         ({"max_attempts": 2, "backoff_base_seconds": -1}, "backoff_base_seconds"),
         ({"max_attempts": 2, "backoff_max_seconds": float("inf")}, "backoff_max_seconds"),
         ({"max_attempts": 2, "backoff_base_seconds": "1"}, "backoff_base_seconds"),
+        ({"max_attempts": 2, "backoff_base_seconds": 10, "backoff_max_seconds": 1}, "backoff_base"),
     ],
 )
 def test_a_bad_retry_policy_names_the_field(kwargs: dict[str, Any], field: str) -> None:
@@ -307,3 +308,22 @@ def test_parallel_input_rejects_no_stage_non_stages_and_duplicates() -> None:
         parallel_input(Order)  # type: ignore[arg-type]
     with pytest.raises(WorkflowDefinitionError, match="duplicate stage ids reserve-stock"):
         parallel_input(reserve_stock, reserve_stock)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"retryable": "no"}, "retryable must be True or False, got 'no'"),
+        ({"retryable": 0}, "retryable must be True or False, got 0"),
+        ({"error_type": ""}, "error_type must be None or a non-empty string"),
+    ],
+)
+def test_stage_failed_refuses_arguments_that_would_mean_something_else(
+    kwargs: dict[str, Any], match: str
+) -> None:
+    """``retryable="no"`` is truthy: it would have retried a failure meant to be final."""
+    from django_workflows import StageFailed
+
+    with pytest.raises(TypeError, match=match):
+        StageFailed("boom", **kwargs)
+    assert StageFailed("boom", retryable=True).retryable is True
