@@ -21,11 +21,12 @@ from django.core.management import call_command
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from django_workflows import WorkflowDefinitionError, define_stage, define_workflow
 from django_workflows.checks import check_definition_versions
 from django_workflows.definition.registry import registry
+from django_workflows.definition.workflow import normalise_schema
 from django_workflows.kernel import ClaimPendingRuns, CreateRun, RerunFrom, routing
 from django_workflows.kernel import versions as kv
 from django_workflows.kernel.hosting import process_available_jobs, run_maintenance_tick
@@ -173,9 +174,115 @@ def test_the_fingerprint_is_the_same_in_other_processes_and_pinned() -> None:
     assert here == [PINNED_V1, PINNED_V2_RETYPED]
 
 
-#: Computed once (Python 3.11, pydantic 2); must never change for the same definition.
-PINNED_V1 = "fp-4df8d09486824eff"
-PINNED_V2_RETYPED = "fp-d0d985576dfa03bb"
+#: Computed once (Python 3.11, pydantic 2, FINGERPRINT_FORMAT 2: normalised schemas); must
+#: never change for the same definition.
+PINNED_V1 = "fp-735fc627632c6159"
+PINNED_V2_RETYPED = "fp-9270205434f874cd"
+
+
+def _one_stage(output: type[BaseModel]) -> str:
+    """The version of a one-stage workflow whose stage outputs ``output``."""
+    stage = define_stage(id="s1", input=Num, output=output, execute=lambda ctx: None)
+    return define_workflow(id="deploy", input=Num).pipe(stage).build().version
+
+
+class Part(BaseModel):
+    size: int
+
+
+class Order(BaseModel):
+    part: Part
+    count: int = 1
+    label: str
+
+
+def _variants() -> dict[str, type[BaseModel]]:
+    """Models that differ from :class:`Order` only in documentation (same) or in shape."""
+
+    class Piece(BaseModel):  # Part renamed
+        """A documented piece."""
+
+        size: int = Field(description="in mm")
+
+    class Renamed(BaseModel):  # Order renamed, its nested model renamed, docs added
+        """An order, documented."""
+
+        part: Piece = Field(description="the part", examples=[{"size": 3}])
+        count: int = Field(7, title="How many")  # another default, a title
+        label: str
+
+    class Reordered(BaseModel):  # fields declared in another order
+        label: str
+        count: int = 1
+        part: Part
+
+    class Added(BaseModel):
+        part: Part
+        count: int = 1
+        label: str
+        extra: int = 0
+
+    class Retyped(BaseModel):
+        part: Part
+        count: str = "1"
+        label: str
+
+    class Required(BaseModel):
+        part: Part
+        count: int
+        label: str
+
+    class NestedRetyped(BaseModel):
+        part: Wide
+        count: int = 1
+        label: str
+
+    return {
+        "renamed": Renamed,
+        "reordered": Reordered,
+        "added": Added,
+        "retyped": Retyped,
+        "required": Required,
+        "nested": NestedRetyped,
+    }
+
+
+def test_docs_defaults_and_class_names_keep_the_version_shape_changes_do_not() -> None:
+    base = _one_stage(Order)
+    versions = {name: _one_stage(model) for name, model in _variants().items()}
+    # docstrings, Field(description=...), titles, examples, defaults, class names: same
+    assert versions["renamed"] == base
+    assert versions["reordered"] == base  # field order does not change what validates
+    for changed in ("added", "retyped", "required", "nested"):
+        assert versions[changed] != base, changed
+    assert len({versions[k] for k in ("added", "retyped", "required", "nested")}) == 4
+
+
+def test_a_field_named_like_a_schema_keyword_is_kept() -> None:
+    class Titled(BaseModel):
+        title: str
+        description: str = ""
+
+    class Untitled(BaseModel):
+        name: str
+        description: str = ""
+
+    material = normalise_schema(Titled.model_json_schema())
+    assert set(material["properties"]) == {"title", "description"}
+    assert "title" not in material and "default" not in material["properties"]["description"]
+    assert _one_stage(Titled) != _one_stage(Untitled)
+
+
+def test_stage_changes_change_the_version() -> None:
+    base = v1().version
+    reordered = (
+        define_workflow(id="deploy", input=Num)
+        .pipe(add(10, "s2"))
+        .pipe(add(1, "s1"))
+        .pipe(add(100, "s3"))
+        .build()
+    )
+    assert len({base, reordered.version, v2_removed().version, v2_added().version}) == 4
 
 
 @pytest.mark.parametrize(
