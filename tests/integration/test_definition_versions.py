@@ -605,3 +605,75 @@ def test_another_deploys_ticker_does_not_reap_a_run_waiting_for_its_version(
     assert WorkflowRun.objects.get(pk=run_id).status == Status.RUNNING
     old.clock.advance(7 * 24 * 3600)
     assert old.dispatch(ReapStuckRuns(stuck_threshold_seconds=60)).failed == 1
+
+
+# --- a loaded definition that cannot run a leased job (issue 12 item 3, tester) ----------------
+
+
+def _at_s3(kernel: Any) -> Any:
+    """A run of ``kernel``'s ``deploy`` whose s1 and s2 completed: its s3 job is ready."""
+    run_id = kernel.dispatch(CreateRun("deploy", {"value": 0})).workflow_run_id
+    kernel.dispatch(ClaimPendingRuns("old"))
+    assert process_available_jobs(kernel, "old", max_jobs=2).processed == 2
+    assert _stages(run_id) == {"s1": "COMPLETED", "s2": "COMPLETED", "s3": "PENDING"}
+    return run_id
+
+
+@pytest.mark.parametrize(
+    ("old_kwargs", "new_kwargs"),
+    [
+        ({"version": "1"}, {"version": "1"}),  # a reused explicit version
+        ({"version": "1"}, {"version": "2", "takes_over": ["1"]}),  # a wrong takes_over
+    ],
+    ids=["reused-version", "wrong-takes-over"],
+)
+def test_a_definition_lacking_the_leased_stage_fails_the_run_at_once(
+    kernel_for: Any, old_kwargs: Any, new_kwargs: Any
+) -> None:
+    run_id = _at_s3(kernel_for(v1(**old_kwargs)))
+    new = kernel_for(v2_removed(**new_kwargs))
+
+    result = process_available_jobs(new, "new", max_jobs=5)  # no raise, no held lease
+
+    run = WorkflowRun.objects.get(pk=run_id)
+    assert run.status == Status.FAILED
+    assert run.error["error_type"] == "DefinitionMismatch"
+    assert run.error["stage_id"] == "s3"
+    message = run.error["message"]
+    assert "definition version '1'" in message
+    assert f"is version {new_kwargs['version']!r}" in message
+    assert "no stage 's3'" in message and "its stages: s1, s2" in message
+    assert _stages(run_id) == {"s1": "COMPLETED", "s2": "COMPLETED", "s3": "FAILED"}
+    (job,) = WorkflowJob.objects.filter(workflow_run_id=run_id, stage_id="s3")
+    assert (job.status, job.worker_id, job.last_error) == (Status.FAILED, None, message)
+    assert not WorkflowJob.objects.filter(workflow_run_id=run_id, status=Status.RUNNING).exists()
+    assert result.processed == 0  # nothing was executed
+    assert process_available_jobs(new, "new", max_jobs=5).processed == 0  # and nothing left
+
+
+def test_a_job_of_a_workflow_this_process_lacks_fails_its_run(kernel_for: Any) -> None:
+    run_id = _at_s3(kernel_for(v1()))
+    stranger = kernel_for(define_workflow(id="other", input=Num).pipe(add(1)).build())
+
+    process_available_jobs(stranger, "stranger", max_jobs=5)
+
+    run = WorkflowRun.objects.get(pk=run_id)
+    assert run.status == Status.FAILED
+    assert run.error["error_type"] == "WorkflowNotFound"
+    assert "Workflow 'deploy' not found in registry" in run.error["message"]
+    assert f"definition version {v1().version!r}" in run.error["message"]
+    assert _stages(run_id)["s3"] == Status.FAILED
+
+
+def test_workflows_tick_jobs_with_an_unknown_workflow_fails_the_run_not_the_command(
+    kernel_for: Any,
+) -> None:
+    """The global registry (the example project's) has no ``deploy``: the command reports a
+    count and the run is failed with a clear error; no WorkflowNotFoundError traceback."""
+    assert registry.get("deploy") is None
+    run_id = _at_s3(kernel_for(v1()))
+    out = io.StringIO()
+    call_command("workflows_tick", "--jobs", "5", stdout=out, stderr=io.StringIO())
+    assert "jobs: processed=" in out.getvalue()
+    run = WorkflowRun.objects.get(pk=run_id)
+    assert (run.status, run.error["error_type"]) == (Status.FAILED, "WorkflowNotFound")
