@@ -677,3 +677,31 @@ def test_workflows_tick_jobs_with_an_unknown_workflow_fails_the_run_not_the_comm
     assert "jobs: processed=" in out.getvalue()
     run = WorkflowRun.objects.get(pk=run_id)
     assert (run.status, run.error["error_type"]) == (Status.FAILED, "WorkflowNotFound")
+
+
+@pytest.mark.parametrize(
+    "new_kwargs",
+    [{"version": "1"}, {"version": "2", "takes_over": ["1"]}],
+    ids=["reused-version", "wrong-takes-over"],
+)
+def test_the_check_warns_when_a_definition_claims_a_version_whose_stages_it_lacks(
+    kernel_for: Any, new_kwargs: Any
+) -> None:
+    old = kernel_for(v1(version="1"))  # stores version 1's structure: s1, s2, s3
+    for _ in range(2):
+        old.dispatch(CreateRun("deploy", {"value": 0}))
+    registry.register(v2_removed(**new_kwargs))
+    try:
+        with CaptureQueriesContext(connection) as queries:
+            (warning,) = check_definition_versions()
+        assert len(queries.captured_queries) <= 4  # two queries (+ savepoint on PostgreSQL)
+        assert warning.id == "django_workflows.W005"
+        assert "2 in-flight run(s) of workflow 'deploy'" in warning.msg
+        assert "definition version '1'" in warning.msg
+        assert f"(version {new_kwargs['version']!r})" in warning.msg
+        assert "lacks their stage(s) s3" in warning.msg
+        registry.unregister("deploy")
+        registry.register(v2_added(**new_kwargs))  # has every stage of version 1: no warning
+        assert check_definition_versions() == []
+    finally:
+        registry.unregister("deploy")
