@@ -269,7 +269,7 @@ def check_definition_versions(app_configs: Any = None, **kwargs: Any) -> list[An
                 f"{runs} in-flight run(s) of workflow {workflow_id!r} were started by definition "
                 f"version {version!r}, which the loaded definition (version {loaded!r}) claims "
                 f"to run, but it lacks their stage(s) {', '.join(missing)}: those runs fail "
-                "(DefinitionMismatch) when they reach them",
+                "(DefinitionMismatch) if they reach them",
                 hint=(
                     "A changed definition needs a new version: do not reuse an explicit "
                     "version=, and declare takes_over only for versions whose stages this "
