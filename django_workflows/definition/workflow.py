@@ -63,7 +63,8 @@ def normalise_schema(schema: dict[str, Any]) -> dict[str, Any]:
     ``title``, ``description``, ``examples`` and ``default`` are dropped at every level
     (schema keywords only: property names, the keys of ``properties``, stay), and the
     ``$defs`` entries are renamed ``d0``, ``d1``, ... in the order their first ``$ref`` is
-    reached walking the schema with sorted keys (``$ref`` values rewritten to match), so
+    reached walking the schema with sorted keys (``$ref`` values and a discriminator's
+    ``mapping`` rewritten to match), so
     renaming a model class or editing a docstring keeps the fingerprint. Unreferenced
     definitions are dropped. Returns a new dict; ``schema`` is not changed.
     """
@@ -93,6 +94,11 @@ def normalise_schema(schema: dict[str, Any]) -> dict[str, Any]:
                 continue
             if key == "$ref" and isinstance(value, str):
                 out[key] = ref_name(value)
+            elif key == "mapping" and isinstance(value, dict):  # a discriminator's refs
+                out[key] = {
+                    name: ref_name(ref) if isinstance(ref, str) else walk(ref)
+                    for name, ref in sorted(value.items())
+                }
             elif key == "required" and isinstance(value, list):
                 out[key] = sorted(value)  # a set of field names: declaration order is moot
             elif key in _SCHEMA_MAPS and isinstance(value, dict):

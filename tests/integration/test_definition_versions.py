@@ -273,6 +273,23 @@ def test_a_field_named_like_a_schema_keyword_is_kept() -> None:
     assert _one_stage(Titled) != _one_stage(Untitled)
 
 
+def test_renaming_the_models_of_a_discriminated_union_keeps_the_version() -> None:
+    from typing import Literal
+
+    def union(cat_name: str, dog_name: str) -> type[BaseModel]:
+        cat = type(cat_name, (BaseModel,), {"__annotations__": {"kind": Literal["cat"]}})
+        dog = type(dog_name, (BaseModel,), {"__annotations__": {"kind": Literal["dog"]}})
+
+        class Pet(BaseModel):
+            pet: cat | dog = Field(discriminator="kind")  # type: ignore[valid-type]
+
+        return Pet
+
+    material = normalise_schema(union("Cat", "Dog").model_json_schema())
+    assert set(material["$defs"]) == {"d0", "d1"}
+    assert _one_stage(union("Cat", "Dog")) == _one_stage(union("Feline", "Canine"))
+
+
 def test_stage_changes_change_the_version() -> None:
     base = v1().version
     reordered = (
