@@ -225,8 +225,15 @@ def check_definition_versions(app_configs: Any = None, **kwargs: Any) -> list[An
     """``W004`` (issue 12 item 3): in-flight (PENDING or RUNNING) runs whose definition version
     no loaded definition runs (neither its ``version`` nor one of its ``takes_over``): this
     process's workers leave them for a worker that has their version; if none is deployed
-    any more, they never finish. One ``GROUP BY`` query; nothing when the tables do not exist
-    yet (before ``migrate``) or the database cannot be reached.
+    any more, they never finish.
+
+    ``W005``: in-flight runs whose version a loaded definition claims to run (same
+    ``version`` or ``takes_over``) but whose stored structure has stages the loaded
+    definition lacks (a reused explicit version, a wrong ``takes_over``): they fail with
+    ``DefinitionMismatch`` when they reach such a stage.
+
+    One ``GROUP BY`` query and at most one query of the stored structures; nothing when the
+    tables do not exist yet (before ``migrate``) or the database cannot be reached.
     """
     from django.db import DatabaseError, transaction
 
@@ -236,6 +243,7 @@ def check_definition_versions(app_configs: Any = None, **kwargs: Any) -> list[An
     try:
         with transaction.atomic():  # a savepoint: a missing table must not break the caller's
             in_flight = versions.in_flight_versions()
+            mismatched = versions.mismatched_structures(registry, in_flight)
     except (DatabaseError, RuntimeError):  # RuntimeError: database access blocked (tests)
         return []
     messages: list[Any] = []
@@ -257,6 +265,23 @@ def check_definition_versions(app_configs: Any = None, **kwargs: Any) -> list[An
                     "this definition can execute them"
                 ),
                 id="django_workflows.W004",
+            )
+        )
+    for workflow_id, version, runs, missing in mismatched:
+        workflow = registry.get(workflow_id)
+        loaded = workflow.version if workflow is not None else "?"
+        messages.append(
+            Warning(
+                f"{runs} in-flight run(s) of workflow {workflow_id!r} were started by definition "
+                f"version {version!r}, which the loaded definition (version {loaded!r}) claims "
+                f"to run, but it lacks their stage(s) {', '.join(missing)}: those runs fail "
+                "(DefinitionMismatch) if they reach them",
+                hint=(
+                    "A changed definition needs a new version: do not reuse an explicit "
+                    "version=, and declare takes_over only for versions whose stages this "
+                    "definition has"
+                ),
+                id="django_workflows.W005",
             )
         )
     return messages

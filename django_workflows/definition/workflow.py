@@ -35,7 +35,7 @@ VERSION_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+@/-]{0,63}$")
 #: :meth:`Workflow.fingerprint_material`).
 FINGERPRINT_PREFIX = "fp-"
 #: Bumped when the fingerprint material changes shape (it is part of the hashed document).
-FINGERPRINT_FORMAT = 1
+FINGERPRINT_FORMAT = 2
 
 
 def _validate_version(workflow_id: str, field: str, value: object) -> str:
@@ -47,8 +47,76 @@ def _validate_version(workflow_id: str, field: str, value: object) -> str:
     return value
 
 
+#: Schema keywords that document rather than constrain: dropped from the fingerprint.
+_ANNOTATION_KEYWORDS = frozenset({"title", "description", "examples", "default"})
+#: Keywords whose value maps names (field names, definition names) to schemas.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+
+
 def _schema(model: type[BaseModel] | None) -> Any:
-    return None if model is None else model.model_json_schema()
+    """The model's JSON schema normalised for the fingerprint (:func:`normalise_schema`)."""
+    return None if model is None else normalise_schema(model.model_json_schema())
+
+
+def normalise_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` without what does not change which values validate: the keywords
+    ``title``, ``description``, ``examples`` and ``default`` are dropped at every level
+    (schema keywords only: property names, the keys of ``properties``, stay), and the
+    ``$defs`` entries are renamed ``d0``, ``d1``, ... in the order their first ``$ref`` is
+    reached walking the schema with sorted keys (``$ref`` values and a discriminator's
+    ``mapping`` rewritten to match), so
+    renaming a model class or editing a docstring keeps the fingerprint. Unreferenced
+    definitions are dropped. Returns a new dict; ``schema`` is not changed.
+    """
+    defs: dict[str, Any] = dict(schema.get("$defs") or {})
+    names: dict[str, str] = {}
+    order: list[str] = []
+
+    def ref_name(ref: str) -> str:
+        prefix = "#/$defs/"
+        if not ref.startswith(prefix):
+            return ref
+        old = ref[len(prefix):]
+        if old not in names:
+            names[old] = f"d{len(names)}"
+            order.append(old)
+        return prefix + names[old]
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out: dict[str, Any] = {}
+        for key in sorted(node):
+            value = node[key]
+            if key in _ANNOTATION_KEYWORDS or key == "$defs":
+                continue
+            if key == "$ref" and isinstance(value, str):
+                out[key] = ref_name(value)
+            elif key == "mapping" and isinstance(value, dict):  # a discriminator's refs
+                out[key] = {
+                    name: ref_name(ref) if isinstance(ref, str) else walk(ref)
+                    for name, ref in sorted(value.items())
+                }
+            elif key == "required" and isinstance(value, list):
+                out[key] = sorted(value)  # a set of field names: declaration order is moot
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                out[key] = {name: walk(value[name]) for name in sorted(value)}
+            else:
+                out[key] = walk(value)
+        return out
+
+    result = walk(schema)
+    normalised: dict[str, Any] = {}
+    index = 0
+    while index < len(order):  # walking a definition may reach further definitions
+        old = order[index]
+        normalised[names[old]] = walk(defs.get(old, {}))
+        index += 1
+    if normalised:
+        result["$defs"] = normalised
+    return result
 
 
 class ParallelInput(BaseModel):
@@ -320,11 +388,15 @@ class Workflow:
         """What the fingerprint hashes: the execution groups in order, each stage's id, kind
         (``mode``: ``"sync"`` / ``"async-batch"``) and the JSON schemas of its input, output
         and config models (``None`` for a stage without an output model), plus the workflow's
-        input schema and :data:`FINGERPRINT_FORMAT`.
+        input schema and :data:`FINGERPRINT_FORMAT`. Each schema is normalised
+        (:func:`normalise_schema`): no ``title``, ``description``, ``examples`` or
+        ``default`` keywords, ``$defs`` renamed canonically.
 
-        Names, descriptions, queues, default values outside the schemas and the stage
-        functions' code are not in it: renaming a stage's title or moving it to another pool
-        keeps the version; adding, removing, re-ordering or re-typing a stage changes it.
+        Names, descriptions, queues, docstrings, ``Field(description=...)``, default values,
+        model class names and the stage functions' code are not in it: renaming a stage's
+        title, a model class, or moving a stage to another pool keeps the version; adding,
+        removing, re-ordering or re-typing a stage or a field, or changing whether a field
+        is required, changes it.
         """
         return {
             "format": FINGERPRINT_FORMAT,

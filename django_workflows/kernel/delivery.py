@@ -64,7 +64,6 @@ from ..models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from . import events as ev
 from . import timeouts
 from .connections import discard_connection, retry_on_disconnect
-from .errors import StageNotFoundError, WorkflowNotFoundError
 from .executor import ExecutionOutcome
 from .faults import fault_point
 from .handlers.job_execute import run_stage, start_stage, write_outcome
@@ -73,7 +72,7 @@ from .handlers.run_transition import advance
 from .locking import LOCKED, claim_next_pending_run, lock_run, try_lock_run
 from .outbox import append_events, new_causation_id
 from .services import KernelStageServices, forget_run, note_run_not_running
-from .store import load_outputs, stages_of, write_log
+from .store import load_outputs, run_error, stages_of, update_run, update_stage, write_log
 
 if TYPE_CHECKING:
     from .dispatch import Kernel
@@ -116,10 +115,6 @@ class Outcome:
     next: Delivery | None = None
 
 
-class _Unexecutable(Exception):
-    """The leased job's workflow or stage is not registered in this process."""
-
-
 class _Discard(Exception):
     """Raised inside the outcome transaction to roll it back: the token no longer owns the job."""
 
@@ -143,10 +138,12 @@ def lease(kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None) 
     A transaction that hit a dead database connection (one killed while the worker sat idle
     between tasks, typically) is run again on a new one (:mod:`.connections`).
 
+    A job whose workflow or stage the loaded definition lacks (a reused explicit version, a
+    wrong ``takes_over``) is failed with its run at once, naming the versions and the stage
+    (``run.error["error_type"]`` ``"DefinitionMismatch"`` or ``"WorkflowNotFound"``), and
+    the next job is tried.
+
     Raises:
-        WorkflowNotFoundError, StageNotFoundError: the job names a workflow or stage this
-            process does not have; the lease stays committed and expires (re-delivery is
-            bounded by ``max_attempts``).
         django.db.OperationalError: the database stayed unreachable for ``RECONNECT_SECONDS``.
     """
     while True:
@@ -162,12 +159,8 @@ def lease(kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None) 
             continue  # failed instead, or not this worker's queue (committed): look again
         if found is None:
             return None
-        delivery, unexecutable = found
-        if unexecutable is not None:
-            raise unexecutable
-        if delivery is not None:
-            fault_point("lease.after_commit")
-            return delivery
+        fault_point("lease.after_commit")
+        return found
 
 
 #: :func:`_lease_transaction` committed a settlement instead of a delivery: lease again.
@@ -176,20 +169,19 @@ _AGAIN: Any = object()
 
 def _lease_transaction(
     kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None, *, adopt: bool = False
-) -> tuple[Delivery | None, Exception | None] | None:
+) -> Delivery | None:
     """One try of transaction 1 (safe to run again: a rolled-back try leased nothing).
     ``None``: no work; :data:`_AGAIN`: a claimed run was failed instead or its first jobs are
-    of queues this worker does not serve; else the delivery
-    (``None`` when the job was settled without executing) and an unexecutable job's error.
+    of queues this worker does not serve, or the job was settled without executing; else the
+    delivery.
     ``adopt`` (a retry after a dead connection): first take back a job that the lost try
     may have leased after all (:func:`_adopt_orphan`).
     """
-    unexecutable: Exception | None = None
     with transaction.atomic():
         if adopt:
             orphan = _adopt_orphan(kernel, worker_id, resumable=False)
             if orphan is not None:
-                return orphan, None
+                return orphan
         events: list[dict[str, Any]] = []
         locked: dict[int, WorkflowRun | None] = {}
 
@@ -219,13 +211,10 @@ def _lease_transaction(
                 append_events(events, new_causation_id(), kernel.clock.now())
                 return _AGAIN
             job, records = started.jobs[0], started.records
-        try:
-            delivery = begin(kernel, job, run, events, records=records)
-        except _Unexecutable as exc:
-            delivery, unexecutable = None, exc.__cause__  # type: ignore[assignment]
+        delivery = begin(kernel, job, run, events, records=records)
         append_events(events, new_causation_id(), kernel.clock.now())
         fault_point("lease.before_commit")
-    return delivery, unexecutable
+    return _AGAIN if delivery is None else delivery
 
 
 def begin(
@@ -243,19 +232,13 @@ def begin(
     already holds of the run (saves reading it again).
 
     Returns the delivery, or ``None`` when the job was settled instead (ghost: failed; stage
-    already COMPLETED: completed and the run transitioned).
-
-    Raises:
-        _Unexecutable: the workflow or stage is not registered here (the lease stays).
+    already COMPLETED: completed and the run transitioned; the workflow or the stage is not in
+    the loaded definition: job, stage and run failed at once, :func:`_fail_mismatch`).
     """
     workflow = kernel.registry.get(job.workflow_id)
-    try:
-        if workflow is None:
-            raise WorkflowNotFoundError(job.workflow_id)
-        if not workflow.has_stage(job.stage_id):
-            raise StageNotFoundError(workflow.id, job.stage_id, workflow.stage_ids)
-    except (WorkflowNotFoundError, StageNotFoundError) as exc:
-        raise _Unexecutable() from exc
+    if workflow is None or not workflow.has_stage(job.stage_id):
+        _fail_mismatch(kernel, job, run, workflow, events)
+        return None
     node = workflow.node(job.stage_id)
     if run is None or run.status != Status.RUNNING:
         status = run.status if run is not None else "DELETED"
@@ -335,6 +318,68 @@ _EXECUTED_KEPT = 4096
 _executed = _ExecutedTokens(_EXECUTED_KEPT)
 #: Jobs leased to this worker that one take-back looks at (normally there is one at most).
 _ADOPT_SCAN = 8
+
+
+def mismatch_message(job: WorkflowJob, run: WorkflowRun | None, workflow: Workflow | None) -> str:
+    """Why a leased job cannot run here: its workflow is not registered, or the loaded
+    definition (a reused explicit version, a wrong ``takes_over``) lacks its stage. Names the
+    run's definition version, the loaded version and the missing stage.
+    """
+    version = run.definition_version if run is not None else job.definition_version
+    if workflow is None:
+        return (
+            f"Workflow {job.workflow_id!r} not found in registry: run {job.workflow_run_id} "
+            f"(definition version {version!r}) cannot run its stage {job.stage_id!r} here"
+        )
+    return (
+        f"Definition mismatch: run {job.workflow_run_id} of workflow {workflow.id!r} was "
+        f"started by definition version {version!r}; the loaded definition is version "
+        f"{workflow.version!r} (runs {', '.join(map(repr, workflow.runs_versions))}) and has "
+        f"no stage {job.stage_id!r} (its stages: {', '.join(workflow.stage_ids)}). Give a "
+        "changed definition a new version, or drop the wrong takes_over"
+    )
+
+
+def _fail_mismatch(
+    kernel: Kernel,
+    job: WorkflowJob,
+    run: WorkflowRun | None,
+    workflow: Workflow | None,
+    events: list[dict[str, Any]],
+) -> None:
+    """Settle a job the loaded definition cannot execute, in the lease transaction (issue 12
+    item 3): the job FAILED (no redelivery: every delivery would fail the same way), and if
+    the run is RUNNING its stage record FAILED, its PENDING/SUSPENDED jobs cancelled and the
+    run FAILED with ``run.error`` ``error_type`` ``"DefinitionMismatch"`` (stage missing)
+    or ``"WorkflowNotFound"`` (workflow missing, as K-CP-2), ``workflow:failed`` appended to
+    ``events``. Runs only on this path: the stage path's statements are unchanged.
+    """
+    message = mismatch_message(job, run, workflow)
+    error_type = "WorkflowNotFound" if workflow is None else "DefinitionMismatch"
+    kernel.queue.fail(job.pk, message, attempt=job.attempt, max_attempts=job.max_attempts)
+    logger.error(message)
+    if run is None or run.status != Status.RUNNING:
+        return
+    now = kernel.clock.now()
+    for record in stages_of(run.pk):
+        if record.stage_id == job.stage_id and record.status not in (
+            Status.COMPLETED,
+            Status.FAILED,
+        ):
+            update_stage(
+                record.pk, now, status=Status.FAILED, error_message=message, completed_at=now
+            )
+    kernel.queue.cancel_by_run(run.pk)
+    update_run(
+        run.pk,
+        now,
+        status=Status.FAILED,
+        completed_at=now,
+        error=run_error(job.stage_id, message, error_type, delivery=job.attempt),
+    )
+    run.status = Status.FAILED
+    write_log(now, "ERROR", message, run_id=run.pk, metadata={"code": error_type})
+    events.append(ev.event(ev.WORKFLOW_FAILED, run.pk, now, error=message))
 
 
 def _adopt_orphan(

@@ -64,24 +64,20 @@ def execute_job(kernel: Kernel, job: WorkflowJob) -> JobOutcome:
     outcome's job settlement and the run's transition in one transaction
     (:mod:`.delivery`). The next stage is not continued here: its jobs are queued.
 
-    Raises:
-        WorkflowNotFoundError, StageNotFoundError: the job cannot be executed here; it stays
-            RUNNING and is recovered by lease expiry (H-4).
+    A job whose workflow or stage the loaded definition lacks is failed with its run at once
+    (``DefinitionMismatch`` / ``WorkflowNotFound``; :func:`.delivery.begin`).
     """
     with transaction.atomic():
         run = lock_run(job.workflow_run_id)
         events: list[dict[str, Any]] = []
-        try:
-            started = delivery.begin(kernel, job, run, events)
-        except delivery._Unexecutable as exc:
-            unexecutable = exc.__cause__
-        else:
-            unexecutable = None
+        started = delivery.begin(kernel, job, run, events)
         append_events(events, new_causation_id(), kernel.clock.now())
-    if unexecutable is not None:
-        raise unexecutable
     if started is None:
-        return JobOutcome("failed", "Job settled without executing (run not RUNNING, or done)")
+        return JobOutcome(
+            "failed",
+            "Job settled without executing (run not RUNNING, done, or its workflow or stage "
+            "missing from the loaded definition)",
+        )
     result = delivery.deliver(kernel, started, None)
     return JobOutcome(result.outcome, result.error)
 

@@ -229,6 +229,48 @@ def unrunnable(
     )
 
 
+def mismatched_structures(
+    registry: WorkflowRegistry, in_flight: dict[tuple[str, str], int]
+) -> list[tuple[str, str, int, tuple[str, ...]]]:
+    """``[(workflow_id, version, runs, missing stage ids)]`` (sorted) of in-flight runs whose
+    version a loaded definition claims to run (its ``version`` or a ``takes_over``) although
+    the structure stored for that version (``WorkflowDefinitionVersion.structure``) has
+    stages the loaded definition lacks: a reused explicit version or a wrong ``takes_over``;
+    such runs fail with ``DefinitionMismatch`` when they reach a missing stage (for the system
+    check ``django_workflows.W005``). One query; none when no in-flight version is runnable.
+    """
+    from django.db.models import Q
+
+    from ..models import WorkflowDefinitionVersion
+
+    runnable = set(registry.runnable_versions())
+    claimed = [(wf, v) for (wf, v) in in_flight if v and (wf, v) in runnable]
+    if not claimed:
+        return []
+    where = Q()
+    for wf, v in claimed:
+        where |= Q(workflow_id=wf, version=v)
+    found = []
+    rows = WorkflowDefinitionVersion.objects.filter(where).values_list(
+        "workflow_id", "version", "structure"
+    )
+    for wf, v, structure in rows:
+        workflow = registry.get(wf)
+        if workflow is None:
+            continue
+        stored = [
+            stage.get("id")
+            for group in (structure or {}).get("groups", [])
+            for stage in group
+            if isinstance(stage, dict)
+        ]
+        loaded = set(workflow.stage_ids)
+        missing = tuple(sid for sid in stored if sid not in loaded)
+        if missing:
+            found.append((wf, v, in_flight[(wf, v)], missing))
+    return sorted(found)
+
+
 def waiting_for_version(run: WorkflowRun, *, lease_clock: LeaseClock | None = None) -> str | None:
     """The definition version ``run`` waits for a worker with, or ``None``: the run is
     versioned, PENDING or with a ready PENDING job or a SUSPENDED one (its completion checks

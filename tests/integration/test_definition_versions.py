@@ -21,11 +21,12 @@ from django.core.management import call_command
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from django_workflows import WorkflowDefinitionError, define_stage, define_workflow
 from django_workflows.checks import check_definition_versions
 from django_workflows.definition.registry import registry
+from django_workflows.definition.workflow import normalise_schema
 from django_workflows.kernel import ClaimPendingRuns, CreateRun, RerunFrom, routing
 from django_workflows.kernel import versions as kv
 from django_workflows.kernel.hosting import process_available_jobs, run_maintenance_tick
@@ -173,9 +174,132 @@ def test_the_fingerprint_is_the_same_in_other_processes_and_pinned() -> None:
     assert here == [PINNED_V1, PINNED_V2_RETYPED]
 
 
-#: Computed once (Python 3.11, pydantic 2); must never change for the same definition.
-PINNED_V1 = "fp-4df8d09486824eff"
-PINNED_V2_RETYPED = "fp-d0d985576dfa03bb"
+#: Computed once (Python 3.11, pydantic 2, FINGERPRINT_FORMAT 2: normalised schemas); must
+#: never change for the same definition.
+PINNED_V1 = "fp-735fc627632c6159"
+PINNED_V2_RETYPED = "fp-9270205434f874cd"
+
+
+def _one_stage(output: type[BaseModel]) -> str:
+    """The version of a one-stage workflow whose stage outputs ``output``."""
+    stage = define_stage(id="s1", input=Num, output=output, execute=lambda ctx: None)
+    return define_workflow(id="deploy", input=Num).pipe(stage).build().version
+
+
+class Part(BaseModel):
+    size: int
+
+
+class Order(BaseModel):
+    part: Part
+    count: int = 1
+    label: str
+
+
+def _variants() -> dict[str, type[BaseModel]]:
+    """Models that differ from :class:`Order` only in documentation (same) or in shape."""
+
+    class Piece(BaseModel):  # Part renamed
+        """A documented piece."""
+
+        size: int = Field(description="in mm")
+
+    class Renamed(BaseModel):  # Order renamed, its nested model renamed, docs added
+        """An order, documented."""
+
+        part: Piece = Field(description="the part", examples=[{"size": 3}])
+        count: int = Field(7, title="How many")  # another default, a title
+        label: str
+
+    class Reordered(BaseModel):  # fields declared in another order
+        label: str
+        count: int = 1
+        part: Part
+
+    class Added(BaseModel):
+        part: Part
+        count: int = 1
+        label: str
+        extra: int = 0
+
+    class Retyped(BaseModel):
+        part: Part
+        count: str = "1"
+        label: str
+
+    class Required(BaseModel):
+        part: Part
+        count: int
+        label: str
+
+    class NestedRetyped(BaseModel):
+        part: Wide
+        count: int = 1
+        label: str
+
+    return {
+        "renamed": Renamed,
+        "reordered": Reordered,
+        "added": Added,
+        "retyped": Retyped,
+        "required": Required,
+        "nested": NestedRetyped,
+    }
+
+
+def test_docs_defaults_and_class_names_keep_the_version_shape_changes_do_not() -> None:
+    base = _one_stage(Order)
+    versions = {name: _one_stage(model) for name, model in _variants().items()}
+    # docstrings, Field(description=...), titles, examples, defaults, class names: same
+    assert versions["renamed"] == base
+    assert versions["reordered"] == base  # field order does not change what validates
+    for changed in ("added", "retyped", "required", "nested"):
+        assert versions[changed] != base, changed
+    assert len({versions[k] for k in ("added", "retyped", "required", "nested")}) == 4
+
+
+def test_a_field_named_like_a_schema_keyword_is_kept() -> None:
+    class Titled(BaseModel):
+        title: str
+        description: str = ""
+
+    class Untitled(BaseModel):
+        name: str
+        description: str = ""
+
+    material = normalise_schema(Titled.model_json_schema())
+    assert set(material["properties"]) == {"title", "description"}
+    assert "title" not in material and "default" not in material["properties"]["description"]
+    assert _one_stage(Titled) != _one_stage(Untitled)
+
+
+def test_renaming_the_models_of_a_discriminated_union_keeps_the_version() -> None:
+    from typing import Literal
+
+    def union(cat_name: str, dog_name: str) -> type[BaseModel]:
+        cat = type(cat_name, (BaseModel,), {"__annotations__": {"kind": Literal["cat"]}})
+        dog = type(dog_name, (BaseModel,), {"__annotations__": {"kind": Literal["dog"]}})
+
+        class Pet(BaseModel):
+            pet: cat | dog = Field(discriminator="kind")  # type: ignore[valid-type]
+
+        return Pet
+
+    material = normalise_schema(union("Cat", "Dog").model_json_schema())
+    assert set(material["$defs"]) == {"d0", "d1"}
+    assert _one_stage(union("Cat", "Dog")) == _one_stage(union("Feline", "Canine"))
+
+
+def test_stage_changes_change_the_version() -> None:
+    base = v1().version
+    reordered = (
+        define_workflow(id="deploy", input=Num)
+        .pipe(add(10, "s2"))
+        .pipe(add(1, "s1"))
+        .pipe(add(100, "s3"))
+        .build()
+    )
+    assert len({base, reordered.version, v2_removed().version, v2_added().version}) == 4
 
 
 @pytest.mark.parametrize(
@@ -498,3 +622,103 @@ def test_another_deploys_ticker_does_not_reap_a_run_waiting_for_its_version(
     assert WorkflowRun.objects.get(pk=run_id).status == Status.RUNNING
     old.clock.advance(7 * 24 * 3600)
     assert old.dispatch(ReapStuckRuns(stuck_threshold_seconds=60)).failed == 1
+
+
+# --- a loaded definition that cannot run a leased job (issue 12 item 3, tester) ----------------
+
+
+def _at_s3(kernel: Any) -> Any:
+    """A run of ``kernel``'s ``deploy`` whose s1 and s2 completed: its s3 job is ready."""
+    run_id = kernel.dispatch(CreateRun("deploy", {"value": 0})).workflow_run_id
+    kernel.dispatch(ClaimPendingRuns("old"))
+    assert process_available_jobs(kernel, "old", max_jobs=2).processed == 2
+    assert _stages(run_id) == {"s1": "COMPLETED", "s2": "COMPLETED", "s3": "PENDING"}
+    return run_id
+
+
+@pytest.mark.parametrize(
+    ("old_kwargs", "new_kwargs"),
+    [
+        ({"version": "1"}, {"version": "1"}),  # a reused explicit version
+        ({"version": "1"}, {"version": "2", "takes_over": ["1"]}),  # a wrong takes_over
+    ],
+    ids=["reused-version", "wrong-takes-over"],
+)
+def test_a_definition_lacking_the_leased_stage_fails_the_run_at_once(
+    kernel_for: Any, old_kwargs: Any, new_kwargs: Any
+) -> None:
+    run_id = _at_s3(kernel_for(v1(**old_kwargs)))
+    new = kernel_for(v2_removed(**new_kwargs))
+
+    result = process_available_jobs(new, "new", max_jobs=5)  # no raise, no held lease
+
+    run = WorkflowRun.objects.get(pk=run_id)
+    assert run.status == Status.FAILED
+    assert run.error["error_type"] == "DefinitionMismatch"
+    assert run.error["stage_id"] == "s3"
+    message = run.error["message"]
+    assert "definition version '1'" in message
+    assert f"is version {new_kwargs['version']!r}" in message
+    assert "no stage 's3'" in message and "its stages: s1, s2" in message
+    assert _stages(run_id) == {"s1": "COMPLETED", "s2": "COMPLETED", "s3": "FAILED"}
+    (job,) = WorkflowJob.objects.filter(workflow_run_id=run_id, stage_id="s3")
+    assert (job.status, job.worker_id, job.last_error) == (Status.FAILED, None, message)
+    assert not WorkflowJob.objects.filter(workflow_run_id=run_id, status=Status.RUNNING).exists()
+    assert result.processed == 0  # nothing was executed
+    assert process_available_jobs(new, "new", max_jobs=5).processed == 0  # and nothing left
+
+
+def test_a_job_of_a_workflow_this_process_lacks_fails_its_run(kernel_for: Any) -> None:
+    run_id = _at_s3(kernel_for(v1()))
+    stranger = kernel_for(define_workflow(id="other", input=Num).pipe(add(1)).build())
+
+    process_available_jobs(stranger, "stranger", max_jobs=5)
+
+    run = WorkflowRun.objects.get(pk=run_id)
+    assert run.status == Status.FAILED
+    assert run.error["error_type"] == "WorkflowNotFound"
+    assert "Workflow 'deploy' not found in registry" in run.error["message"]
+    assert f"definition version {v1().version!r}" in run.error["message"]
+    assert _stages(run_id)["s3"] == Status.FAILED
+
+
+def test_workflows_tick_jobs_with_an_unknown_workflow_fails_the_run_not_the_command(
+    kernel_for: Any,
+) -> None:
+    """The global registry (the example project's) has no ``deploy``: the command reports a
+    count and the run is failed with a clear error; no WorkflowNotFoundError traceback."""
+    assert registry.get("deploy") is None
+    run_id = _at_s3(kernel_for(v1()))
+    out = io.StringIO()
+    call_command("workflows_tick", "--jobs", "5", stdout=out, stderr=io.StringIO())
+    assert "jobs: processed=" in out.getvalue()
+    run = WorkflowRun.objects.get(pk=run_id)
+    assert (run.status, run.error["error_type"]) == (Status.FAILED, "WorkflowNotFound")
+
+
+@pytest.mark.parametrize(
+    "new_kwargs",
+    [{"version": "1"}, {"version": "2", "takes_over": ["1"]}],
+    ids=["reused-version", "wrong-takes-over"],
+)
+def test_the_check_warns_when_a_definition_claims_a_version_whose_stages_it_lacks(
+    kernel_for: Any, new_kwargs: Any
+) -> None:
+    old = kernel_for(v1(version="1"))  # stores version 1's structure: s1, s2, s3
+    for _ in range(2):
+        old.dispatch(CreateRun("deploy", {"value": 0}))
+    registry.register(v2_removed(**new_kwargs))
+    try:
+        with CaptureQueriesContext(connection) as queries:
+            (warning,) = check_definition_versions()
+        assert len(queries.captured_queries) <= 4  # two queries (+ savepoint on PostgreSQL)
+        assert warning.id == "django_workflows.W005"
+        assert "2 in-flight run(s) of workflow 'deploy'" in warning.msg
+        assert "definition version '1'" in warning.msg
+        assert f"(version {new_kwargs['version']!r})" in warning.msg
+        assert "lacks their stage(s) s3" in warning.msg
+        registry.unregister("deploy")
+        registry.register(v2_added(**new_kwargs))  # has every stage of version 1: no warning
+        assert check_definition_versions() == []
+    finally:
+        registry.unregister("deploy")
