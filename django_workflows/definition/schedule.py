@@ -54,6 +54,9 @@ CatchupPolicy = Literal["skip", "run_once", "run_all"]
 ON_TIME_SECONDS = 60.0
 #: The furthest a cron search looks ahead (a 29 February schedule needs up to 8 years).
 MAX_SEARCH_YEARS = 9
+#: Years a backfill range (and the API's date-times) may name, inclusive: far enough from
+#: ``datetime.min``/``max`` that a cron search or an interval step cannot overflow.
+MIN_YEAR, MAX_YEAR = 1900, 9000
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,179}$")
 
 _ALIASES = {
@@ -533,6 +536,8 @@ def definition_from_row(row: Any) -> ScheduleDefinition:
 
 __all__ = [
     "CATCHUP_POLICIES",
+    "MAX_YEAR",
+    "MIN_YEAR",
     "OVERLAP_POLICIES",
     "CronExpression",
     "ScheduleDefinition",

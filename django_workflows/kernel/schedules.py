@@ -36,6 +36,8 @@ from django.db import DatabaseError, IntegrityError, transaction
 from ..annotations import IsoTimestamp, typed_key
 from ..conventions import Trigger
 from ..definition.schedule import (
+    MAX_YEAR,
+    MIN_YEAR,
     ON_TIME_SECONDS,
     ScheduleDefinition,
     ScheduleDefinitionError,
@@ -527,6 +529,34 @@ class BackfillResult:
     existing: int = 0
 
 
+def check_backfill_range(start: datetime, end: datetime) -> None:
+    """The argument check of :func:`backfill_schedule` (also used by the admin's form so its
+    errors show at the field): both aware, in the years :data:`MIN_YEAR`-:data:`MAX_YEAR`
+    (local and UTC), ``end`` not before ``start``.
+
+    Raises:
+        InvalidCommandError: ``field`` is ``start`` or ``end``; the message starts with it.
+    """
+    for label, value in (("start", start), ("end", end)):
+        if not isinstance(value, datetime) or value.utcoffset() is None:
+            raise InvalidCommandError(
+                f"{label}: expected an aware datetime, got {value!r}", field=label
+            )
+        try:
+            year = value.astimezone(UTC).year
+        except OverflowError:  # e.g. 0001-01-01T00:00+01:00 is before datetime.min in UTC
+            year = value.year
+        if not MIN_YEAR <= year <= MAX_YEAR or not MIN_YEAR <= value.year <= MAX_YEAR:
+            raise InvalidCommandError(
+                f"{label}: {value.isoformat()} is outside the years {MIN_YEAR}-{MAX_YEAR}",
+                field=label,
+            )
+    if end < start:
+        raise InvalidCommandError(
+            f"end: {end.isoformat()} is before start {start.isoformat()}", field="end"
+        )
+
+
 def backfill_schedule(
     name: str, start: datetime, end: datetime, *, kernel: Kernel | None = None
 ) -> BackfillResult:
@@ -536,19 +566,12 @@ def backfill_schedule(
 
     Raises:
         ScheduleNotFoundError: no such schedule.
-        InvalidCommandError: field ``start``/``end`` naive, ``end`` before ``start``, or more
-            than :data:`MAX_BACKFILL` times in the range (nothing written).
+        InvalidCommandError: field ``start``/``end`` naive or outside the years
+            :data:`MIN_YEAR`-:data:`MAX_YEAR` (UTC), ``end`` before ``start``, or more than
+            :data:`MAX_BACKFILL` times in the range (nothing written).
     """
     kernel = _kernel(kernel)
-    for label, value in (("start", start), ("end", end)):
-        if not isinstance(value, datetime) or value.utcoffset() is None:
-            raise InvalidCommandError(
-                f"{label}: expected an aware datetime, got {value!r}", field=label
-            )
-    if end < start:
-        raise InvalidCommandError(
-            f"end: {end.isoformat()} is before start {start.isoformat()}", field="end"
-        )
+    check_backfill_range(start, end)
     row = get_schedule(name)
     definition = definition_from_row(row)
     times = definition.times_between(start, end, limit=MAX_BACKFILL + 1)

@@ -94,6 +94,39 @@ def test_next_pause_resume_trigger_backfill() -> None:
             ),
             "end: 2025-01-01T00:00:00+00:00 is before start",
         ),
+        (
+            (
+                "backfill",
+                "cmd-hourly",
+                "--start",
+                "9999-12-31T23:59Z",
+                "--end",
+                "9999-12-31T23:59:59Z",
+            ),
+            "start: 9999-12-31T23:59:00+00:00 is outside the years 1900-9000",
+        ),
+        (
+            (
+                "backfill",
+                "cmd-hourly",
+                "--start",
+                "0001-01-01T00:00Z",
+                "--end",
+                "2025-01-01T00:00Z",
+            ),
+            "start: 0001-01-01T00:00:00+00:00 is outside the years 1900-9000",
+        ),
+        (
+            (
+                "backfill",
+                "cmd-hourly",
+                "--start",
+                "2025-01-01T00:00Z",
+                "--end",
+                "9001-01-01T00:00Z",
+            ),
+            "end: 9001-01-01T00:00:00+00:00 is outside the years 1900-9000",
+        ),
     ],
 )
 def test_bad_arguments_name_the_field(args: tuple[str, ...], message: str) -> None:
