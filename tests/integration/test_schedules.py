@@ -468,7 +468,7 @@ def test_sync_updates_changed_definitions_and_orphans_removed_ones() -> None:
 def test_sync_records_a_definition_whose_input_does_not_fit_its_workflow() -> None:
     bad = define_schedule("bad", "nightly", every=60, input={"value": "not a number"})
     kernel = _kernel(datetime(2025, 6, 2, 9, 30, tzinfo=UTC), workflow=two_stage("nightly"))
-    kernel.registry._schedules["bad"] = bad  # registered before its workflow was
+    kernel.registry._schedules["bad"] = bad  # bypasses register()'s check: sync still defends
     result = sync_schedules(kernel)
     assert result.errors["bad"].startswith("input:")
     row = WorkflowSchedule.objects.get()
@@ -481,6 +481,32 @@ def test_sync_records_a_definition_whose_input_does_not_fit_its_workflow() -> No
     assert sync_schedules(kernel).updated == ["bad"]
     row.refresh_from_db()
     assert row.last_error == "" and row.next_fire_at is not None
+
+
+def test_a_definition_that_does_not_fit_raises_at_registration_in_either_order() -> None:
+    from django_workflows.definition.registry import WorkflowRegistry
+
+    bad = define_schedule("bad", "nightly", every=60, input={"value": "not a number"})
+    first_workflow = WorkflowRegistry()
+    first_workflow.register(two_stage("nightly"))
+    with pytest.raises(ScheduleDefinitionError, match=r"^input: invalid input for workflow"):
+        first_workflow.register_schedule(bad)
+    assert first_workflow.schedules() == []
+    first_schedule = WorkflowRegistry()
+    first_schedule.register_schedule(bad)
+    with pytest.raises(ScheduleDefinitionError, match=r"^input: invalid input for workflow"):
+        first_schedule.register(two_stage("nightly"))
+    assert first_schedule.get("nightly") is None
+
+
+def test_sync_records_a_definition_whose_workflow_is_not_registered() -> None:
+    orphan = define_schedule("lonely", "gone", every=60)
+    kernel = _kernel(datetime(2025, 6, 2, 9, 30, tzinfo=UTC), workflow=two_stage("nightly"))
+    kernel.registry.register_schedule(orphan)
+    result = sync_schedules(kernel)
+    assert result.errors["lonely"] == "workflow: 'gone' is not a registered workflow"
+    row = WorkflowSchedule.objects.get()
+    assert row.next_fire_at is None and row.last_error == result.errors["lonely"]
 
 
 # --- definition errors name the field ------------------------------------------------------------
