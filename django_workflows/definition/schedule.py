@@ -580,8 +580,8 @@ def definition_from_row(row: Any) -> ScheduleDefinition:
 
 __all__ = [
     "CATCHUP_POLICIES",
-    "MAX_YEAR",
     "MAX_DURATION_SECONDS",
+    "MAX_YEAR",
     "MIN_EVERY_SECONDS",
     "MIN_YEAR",
     "OVERLAP_POLICIES",
