@@ -74,6 +74,8 @@ MAX_SCHEDULES_PER_TICK = 100
 MAX_FIRINGS_PER_TICK = 100
 #: Most scheduled times one backfill may create.
 MAX_BACKFILL = 1000
+#: Most upcoming times :func:`upcoming_times` lists (``workflows_schedule next --count``).
+MAX_UPCOMING = 1000
 #: Definition fields whose change moves the next firing (recomputed from now).
 _TIMING_FIELDS = ("cron", "every_seconds", "tz", "anchor", "repeated_times", "jitter_seconds")
 
@@ -607,7 +609,15 @@ def backfill_schedule(
 
 def upcoming_times(row: WorkflowSchedule, count: int = 5) -> list[datetime]:
     """The next ``count`` scheduled times of ``row`` from its next firing on (``[]`` when it
-    has none)."""
+    has none).
+
+    Raises:
+        InvalidCommandError: field ``count`` not an integer in 1-:data:`MAX_UPCOMING`.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_UPCOMING:
+        raise InvalidCommandError(
+            f"count: expected an integer from 1 to {MAX_UPCOMING}, got {count!r}", field="count"
+        )
     if row.next_scheduled_at is None:
         return []
     definition = definition_from_row(row)
@@ -621,6 +631,7 @@ def upcoming_times(row: WorkflowSchedule, count: int = 5) -> list[datetime]:
 
 
 __all__ = [
+    "MAX_UPCOMING",
     "SCHEDULED_AT",
     "SCHEDULE_ID",
     "BackfillResult",
@@ -628,6 +639,7 @@ __all__ = [
     "ScheduleNotFoundError",
     "SyncResult",
     "backfill_schedule",
+    "check_backfill_range",
     "fire_due_schedules",
     "get_schedule",
     "idempotency_key",

@@ -44,6 +44,13 @@ def test_list_syncs_and_shows_the_schedule() -> None:
     (doc,) = json.loads(run("list", "--json"))
     assert doc["name"] == "cmd-hourly" and doc["paused"] is False
     assert doc["next_fire_at"].endswith(":00:00+00:00")
+    # never fired: null, not "-"
+    assert doc["last_fired_at"] is None and doc["last_scheduled_at"] is None
+    assert doc["last_run_id"] is None
+
+
+def test_next_lists_up_to_the_cap() -> None:
+    assert len(run("next", "cmd-hourly", "--count", "1000").splitlines()) == 1000
 
 
 def test_next_pause_resume_trigger_backfill() -> None:
@@ -75,6 +82,7 @@ def test_next_pause_resume_trigger_backfill() -> None:
     [
         (("pause", "ghost"), "Schedule 'ghost' not found"),
         (("next", "cmd-hourly", "--count", "0"), "--count: must be > 0"),
+        (("next", "cmd-hourly", "--count", "100000"), "--count: at most 1000"),
         (
             ("backfill", "cmd-hourly", "--start", "yesterday", "--end", "2025-01-01T00:00Z"),
             "--start: 'yesterday' is not an ISO-8601 date-time",

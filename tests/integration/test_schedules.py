@@ -439,6 +439,9 @@ def test_pause_resume_trigger_and_backfill() -> None:
     with pytest.raises(ScheduleNotFoundError):
         trigger_schedule("nope", kernel=kernel)
     assert [t.hour for t in upcoming_times(WorkflowSchedule.objects.get(), 3)] == [14, 15, 16]
+    for count in (0, 1001, "3", True):
+        with pytest.raises(InvalidCommandError, match=r"^count: expected an integer from 1 to"):
+            upcoming_times(WorkflowSchedule.objects.get(), count)  # type: ignore[arg-type]
 
 
 def test_sync_updates_changed_definitions_and_orphans_removed_ones() -> None:
