@@ -247,7 +247,10 @@ def kernel_error(exc: WorkflowError, **context: Any) -> APIError:
         return Conflict(message, code=context.get("state_code", "run_state"))
     if isinstance(exc, InvalidCommandError):
         field = exc.field or "(root)"
-        return APIError(message, code="invalid", errors={field: [message]})
+        # the kernel's message starts with its field ("end: ..."); under errors[field] the
+        # key says it already, as for the serializers' field errors
+        detail = message.removeprefix(f"{exc.field}: ") if exc.field else message
+        return APIError(message, code="invalid", errors={field: [detail]})
     return APIError(message, code="workflow_error", status_code=409)
 
 

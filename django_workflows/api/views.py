@@ -919,7 +919,7 @@ class _ScheduleStateView(WorkflowsAPIView):
     throttle_scope = "write"
 
     def change(self, request: Request, name: str, *, pause: bool) -> Response:
-        from ..kernel.schedules import pause_schedule, resume_schedule
+        from ..kernel.schedules import ScheduleOrphanedError, pause_schedule, resume_schedule
 
         row = _get_schedule(name)
         if pause:
@@ -930,7 +930,7 @@ class _ScheduleStateView(WorkflowsAPIView):
             self.body(s.EmptyBodySerializer)
             try:
                 changed = resume_schedule(row.name, kernel=get_kernel())
-            except InvalidCommandError as exc:  # orphaned: its definition is gone
+            except ScheduleOrphanedError as exc:
                 raise APIError(str(exc), code="schedule_orphaned", status_code=409) from None
         row.refresh_from_db()
         return Response(
@@ -982,7 +982,7 @@ class ScheduleTriggerView(WorkflowsAPIView):
         },
     )
     def post(self, request: Request, name: str) -> Response:
-        from ..kernel.schedules import trigger_schedule
+        from ..kernel.schedules import ScheduleOrphanedError, trigger_schedule
 
         row = _get_schedule(name)
         self.body(s.EmptyBodySerializer)
@@ -990,6 +990,8 @@ class ScheduleTriggerView(WorkflowsAPIView):
             run_id = trigger_schedule(
                 row.name, kernel=get_kernel(), actor=f"api:{request.user.get_username()}"
             )
+        except ScheduleOrphanedError as exc:
+            raise APIError(str(exc), code="schedule_orphaned", status_code=409) from None
         except WorkflowError as exc:  # its workflow or input no longer fits
             raise APIError(str(exc), code="schedule_broken", status_code=409) from None
         return Response(
@@ -1013,12 +1015,14 @@ class ScheduleBackfillView(WorkflowsAPIView):
         },
     )
     def post(self, request: Request, name: str) -> Response:
-        from ..kernel.schedules import backfill_schedule
+        from ..kernel.schedules import ScheduleOrphanedError, backfill_schedule
 
         row = _get_schedule(name)
         body = self.body(s.ScheduleBackfillSerializer)
         try:
             result = backfill_schedule(row.name, body["start"], body["end"], kernel=get_kernel())
+        except ScheduleOrphanedError as exc:
+            raise APIError(str(exc), code="schedule_orphaned", status_code=409) from None
         except InvalidCommandError as exc:
             raise kernel_error(exc) from None
         except WorkflowError as exc:

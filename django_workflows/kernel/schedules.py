@@ -88,6 +88,18 @@ class ScheduleNotFoundError(WorkflowError, LookupError):
         super().__init__(f"Schedule {name!r} not found")
 
 
+class ScheduleOrphanedError(InvalidCommandError):
+    """(field ``name``) The schedule is orphaned: its definition is gone from code, so it
+    cannot be resumed, triggered or backfilled until a deploy defines it again."""
+
+    def __init__(self, name: str, action: str) -> None:
+        super().__init__(
+            f"name: schedule {name!r} is orphaned (its definition is gone from code); it cannot "
+            f"be {action} until a deploy defines it again",
+            field="name",
+        )
+
+
 @dataclass
 class SyncResult:
     """What :func:`sync_schedules` changed: schedule names per kind, and ``errors`` as
@@ -472,7 +484,7 @@ def resume_schedule(name: str, *, kernel: Kernel | None = None) -> bool:
 
     Raises:
         ScheduleNotFoundError: no such schedule.
-        InvalidCommandError: (field ``name``) the schedule is orphaned: its definition is gone.
+        ScheduleOrphanedError: (field ``name``) its definition is gone.
     """
     kernel = _kernel(kernel)
     now = kernel.clock.now()
@@ -481,11 +493,7 @@ def resume_schedule(name: str, *, kernel: Kernel | None = None) -> bool:
         if row is None:
             raise ScheduleNotFoundError(name)
         if row.orphaned:
-            raise InvalidCommandError(
-                f"name: schedule {name!r} is orphaned (no definition in code); it cannot be "
-                "resumed",
-                field="name",
-            )
+            raise ScheduleOrphanedError(name, "resumed")
         if not row.paused:
             return False
         row.paused, row.pause_reason, row.updated_at = False, "", now
@@ -502,6 +510,7 @@ def trigger_schedule(name: str, *, kernel: Kernel | None = None, actor: str = ""
 
     Raises:
         ScheduleNotFoundError: no such schedule.
+        ScheduleOrphanedError: (field ``name``) its definition is gone (nothing written).
         WorkflowNotFoundError, InvalidWorkflowInputError, InvalidWorkflowConfigError: the run
             cannot be created (nothing written).
     """
@@ -511,6 +520,8 @@ def trigger_schedule(name: str, *, kernel: Kernel | None = None, actor: str = ""
         row = lock_schedule(name)
         if row is None:
             raise ScheduleNotFoundError(name)
+        if row.orphaned:
+            raise ScheduleOrphanedError(name, "triggered")
         key = f"schedule:{name}:manual:{now.astimezone(UTC).isoformat()}"
         reason = f"triggered now by {actor}" if actor else "triggered now"
         run_id, _ = _start(kernel, row, now, key=key, reason=reason)
@@ -571,10 +582,13 @@ def backfill_schedule(
         InvalidCommandError: field ``start``/``end`` naive or outside the years
             :data:`MIN_YEAR`-:data:`MAX_YEAR` (UTC), ``end`` before ``start``, or more than
             :data:`MAX_BACKFILL` times in the range (nothing written).
+        ScheduleOrphanedError: (field ``name``) its definition is gone (nothing written).
     """
     kernel = _kernel(kernel)
     check_backfill_range(start, end)
     row = get_schedule(name)
+    if row.orphaned:
+        raise ScheduleOrphanedError(name, "backfilled")
     definition = definition_from_row(row)
     times = definition.times_between(start, end, limit=MAX_BACKFILL + 1)
     if len(times) > MAX_BACKFILL:
@@ -637,6 +651,7 @@ __all__ = [
     "BackfillResult",
     "FireResult",
     "ScheduleNotFoundError",
+    "ScheduleOrphanedError",
     "SyncResult",
     "backfill_schedule",
     "check_backfill_range",

@@ -160,3 +160,13 @@ def test_backfill_out_of_range_is_a_form_error(
     assert page.status_code == 200
     assert message in page.content.decode()
     assert WorkflowRun.objects.count() == 0
+
+
+def test_triggering_an_orphaned_schedule_says_it_is_orphaned(django_user_model: Any) -> None:
+    client = staff(django_user_model, "ops", *ALL)
+    client.get(url("changelist"))
+    registry.unregister_schedule(NAME)
+    client.get(url("changelist"))  # sync orphans it
+    page = client.post(url("trigger", NAME), {"confirm": "yes"})
+    assert any("is orphaned (its definition is gone from code)" in t for t in texts(page))
+    assert WorkflowRun.objects.count() == 0

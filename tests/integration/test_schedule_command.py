@@ -142,3 +142,30 @@ def test_bad_arguments_name_the_field(args: tuple[str, ...], message: str) -> No
         run(*args)
     assert message in str(info.value)
     assert WorkflowRun.objects.count() == 0
+
+
+def test_operating_an_orphaned_schedule_says_it_is_orphaned() -> None:
+    run("list")
+    registry.unregister_schedule("cmd-hourly")
+    for args, verb in [
+        (("trigger", "cmd-hourly"), "triggered"),
+        (("resume", "cmd-hourly"), "resumed"),
+        (
+            (
+                "backfill",
+                "cmd-hourly",
+                "--start",
+                "2025-01-01T00:00Z",
+                "--end",
+                "2025-01-01T01:00Z",
+            ),
+            "backfilled",
+        ),
+    ]:
+        with pytest.raises(CommandError) as info:
+            run(*args)
+        assert str(info.value) == (
+            "name: schedule 'cmd-hourly' is orphaned (its definition is gone from code); it "
+            f"cannot be {verb} until a deploy defines it again"
+        )
+    assert WorkflowRun.objects.count() == 0
