@@ -36,6 +36,8 @@ code                      status when
 ``run_state``             409    the run's status does not allow it (e.g. rerun of RUNNING)
 ``no_approval_waiting``   409    approve/reject while no approval stage waits
 ``approval_conflict``     409    the opposite decision was already recorded
+``schedule_orphaned``     409    resume/trigger/backfill of a schedule whose definition is gone
+``schedule_broken``       409    a trigger/backfill whose workflow or input no longer fits
 ``request_too_large``     413    body over ``API_MAX_BODY_BYTES``
 ``unsupported_media_type`` 415   not ``application/json``
 ``throttled``             429    a throttle rate was exceeded (``Retry-After`` header)

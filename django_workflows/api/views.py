@@ -919,7 +919,7 @@ class _ScheduleStateView(WorkflowsAPIView):
     throttle_scope = "write"
 
     def change(self, request: Request, name: str, *, pause: bool) -> Response:
-        from ..kernel.schedules import ScheduleOrphanedError, pause_schedule, resume_schedule
+        from ..kernel.schedules import pause_schedule, resume_schedule
 
         row = _get_schedule(name)
         if pause:
@@ -930,7 +930,7 @@ class _ScheduleStateView(WorkflowsAPIView):
             self.body(s.EmptyBodySerializer)
             try:
                 changed = resume_schedule(row.name, kernel=get_kernel())
-            except ScheduleOrphanedError as exc:
+            except InvalidCommandError as exc:  # field name: orphaned, its definition is gone
                 raise APIError(str(exc), code="schedule_orphaned", status_code=409) from None
         row.refresh_from_db()
         return Response(
@@ -982,7 +982,7 @@ class ScheduleTriggerView(WorkflowsAPIView):
         },
     )
     def post(self, request: Request, name: str) -> Response:
-        from ..kernel.schedules import ScheduleOrphanedError, trigger_schedule
+        from ..kernel.schedules import trigger_schedule
 
         row = _get_schedule(name)
         self.body(s.EmptyBodySerializer)
@@ -990,10 +990,10 @@ class ScheduleTriggerView(WorkflowsAPIView):
             run_id = trigger_schedule(
                 row.name, kernel=get_kernel(), actor=f"api:{request.user.get_username()}"
             )
-        except ScheduleOrphanedError as exc:
-            raise APIError(str(exc), code="schedule_orphaned", status_code=409) from None
-        except WorkflowError as exc:  # its workflow or input no longer fits
-            raise APIError(str(exc), code="schedule_broken", status_code=409) from None
+        except WorkflowError as exc:  # orphaned, or its workflow or input no longer fits
+            orphaned = isinstance(exc, InvalidCommandError) and exc.field == "name"
+            code = "schedule_orphaned" if orphaned else "schedule_broken"
+            raise APIError(str(exc), code=code, status_code=409) from None
         return Response(
             s.ScheduleTriggerResultSerializer({"workflow_run_id": run_id}).data,
             status=http.HTTP_201_CREATED,
@@ -1015,15 +1015,15 @@ class ScheduleBackfillView(WorkflowsAPIView):
         },
     )
     def post(self, request: Request, name: str) -> Response:
-        from ..kernel.schedules import ScheduleOrphanedError, backfill_schedule
+        from ..kernel.schedules import backfill_schedule
 
         row = _get_schedule(name)
         body = self.body(s.ScheduleBackfillSerializer)
         try:
             result = backfill_schedule(row.name, body["start"], body["end"], kernel=get_kernel())
-        except ScheduleOrphanedError as exc:
-            raise APIError(str(exc), code="schedule_orphaned", status_code=409) from None
         except InvalidCommandError as exc:
+            if exc.field == "name":  # orphaned: its definition is gone
+                raise APIError(str(exc), code="schedule_orphaned", status_code=409) from None
             raise kernel_error(exc) from None
         except WorkflowError as exc:
             raise APIError(str(exc), code="schedule_broken", status_code=409) from None

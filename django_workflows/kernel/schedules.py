@@ -88,16 +88,15 @@ class ScheduleNotFoundError(WorkflowError, LookupError):
         super().__init__(f"Schedule {name!r} not found")
 
 
-class ScheduleOrphanedError(InvalidCommandError):
-    """(field ``name``) The schedule is orphaned: its definition is gone from code, so it
-    cannot be resumed, triggered or backfilled until a deploy defines it again."""
-
-    def __init__(self, name: str, action: str) -> None:
-        super().__init__(
-            f"name: schedule {name!r} is orphaned (its definition is gone from code); it cannot "
-            f"be {action} until a deploy defines it again",
-            field="name",
-        )
+def _orphaned(name: str, action: str) -> InvalidCommandError:
+    """The error (field ``name``) of an operation on an orphaned schedule: its definition is
+    gone from code, so it cannot be resumed, triggered or backfilled until a deploy defines it
+    again."""
+    return InvalidCommandError(
+        f"name: schedule {name!r} is orphaned (its definition is gone from code); it cannot "
+        f"be {action} until a deploy defines it again",
+        field="name",
+    )
 
 
 @dataclass
@@ -484,7 +483,7 @@ def resume_schedule(name: str, *, kernel: Kernel | None = None) -> bool:
 
     Raises:
         ScheduleNotFoundError: no such schedule.
-        ScheduleOrphanedError: (field ``name``) its definition is gone.
+        InvalidCommandError: (field ``name``) the schedule is orphaned: its definition is gone.
     """
     kernel = _kernel(kernel)
     now = kernel.clock.now()
@@ -493,7 +492,7 @@ def resume_schedule(name: str, *, kernel: Kernel | None = None) -> bool:
         if row is None:
             raise ScheduleNotFoundError(name)
         if row.orphaned:
-            raise ScheduleOrphanedError(name, "resumed")
+            raise _orphaned(name, "resumed")
         if not row.paused:
             return False
         row.paused, row.pause_reason, row.updated_at = False, "", now
@@ -510,7 +509,8 @@ def trigger_schedule(name: str, *, kernel: Kernel | None = None, actor: str = ""
 
     Raises:
         ScheduleNotFoundError: no such schedule.
-        ScheduleOrphanedError: (field ``name``) its definition is gone (nothing written).
+        InvalidCommandError: (field ``name``) the schedule is orphaned: its definition is gone
+            (nothing written).
         WorkflowNotFoundError, InvalidWorkflowInputError, InvalidWorkflowConfigError: the run
             cannot be created (nothing written).
     """
@@ -521,7 +521,7 @@ def trigger_schedule(name: str, *, kernel: Kernel | None = None, actor: str = ""
         if row is None:
             raise ScheduleNotFoundError(name)
         if row.orphaned:
-            raise ScheduleOrphanedError(name, "triggered")
+            raise _orphaned(name, "triggered")
         key = f"schedule:{name}:manual:{now.astimezone(UTC).isoformat()}"
         reason = f"triggered now by {actor}" if actor else "triggered now"
         run_id, _ = _start(kernel, row, now, key=key, reason=reason)
@@ -582,13 +582,14 @@ def backfill_schedule(
         InvalidCommandError: field ``start``/``end`` naive or outside the years
             :data:`MIN_YEAR`-:data:`MAX_YEAR` (UTC), ``end`` before ``start``, or more than
             :data:`MAX_BACKFILL` times in the range (nothing written).
-        ScheduleOrphanedError: (field ``name``) its definition is gone (nothing written).
+        InvalidCommandError: (field ``name``) the schedule is orphaned: its definition is gone
+            (nothing written).
     """
     kernel = _kernel(kernel)
     check_backfill_range(start, end)
     row = get_schedule(name)
     if row.orphaned:
-        raise ScheduleOrphanedError(name, "backfilled")
+        raise _orphaned(name, "backfilled")
     definition = definition_from_row(row)
     times = definition.times_between(start, end, limit=MAX_BACKFILL + 1)
     if len(times) > MAX_BACKFILL:
@@ -651,7 +652,6 @@ __all__ = [
     "BackfillResult",
     "FireResult",
     "ScheduleNotFoundError",
-    "ScheduleOrphanedError",
     "SyncResult",
     "backfill_schedule",
     "check_backfill_range",
