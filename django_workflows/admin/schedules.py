@@ -23,10 +23,12 @@ from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
+from ..kernel.errors import InvalidCommandError
 from ..kernel.runtime import get_kernel
 from ..kernel.schedules import (
     MAX_BACKFILL,
     backfill_schedule,
+    check_backfill_range,
     pause_schedule,
     resume_schedule,
     sync_schedules,
@@ -75,6 +77,20 @@ class BackfillForm(forms.Form):
 
     def clean_end(self) -> datetime:
         return self._aware("end")
+
+    def clean(self) -> dict[str, Any]:
+        """The kernel's range check (years, order) as an error at the field it names."""
+        data = super().clean()
+        if isinstance(data.get("start"), datetime) and isinstance(data.get("end"), datetime):
+            try:
+                check_backfill_range(data["start"], data["end"])
+            except InvalidCommandError as exc:
+                field = exc.field if exc.field in ("start", "end") else None
+                message = str(exc)
+                if field and message.startswith(f"{field}: "):
+                    message = message[len(field) + 2 :]
+                self.add_error(field, message)
+        return data
 
 
 class ScheduleStateFilter(admin.SimpleListFilter):

@@ -36,6 +36,8 @@ code                      status when
 ``run_state``             409    the run's status does not allow it (e.g. rerun of RUNNING)
 ``no_approval_waiting``   409    approve/reject while no approval stage waits
 ``approval_conflict``     409    the opposite decision was already recorded
+``schedule_orphaned``     409    resume/trigger/backfill of a schedule whose definition is gone
+``schedule_broken``       409    a trigger/backfill whose workflow or input no longer fits
 ``request_too_large``     413    body over ``API_MAX_BODY_BYTES``
 ``unsupported_media_type`` 415   not ``application/json``
 ``throttled``             429    a throttle rate was exceeded (``Retry-After`` header)
@@ -247,7 +249,10 @@ def kernel_error(exc: WorkflowError, **context: Any) -> APIError:
         return Conflict(message, code=context.get("state_code", "run_state"))
     if isinstance(exc, InvalidCommandError):
         field = exc.field or "(root)"
-        return APIError(message, code="invalid", errors={field: [message]})
+        # the kernel's message starts with its field ("end: ..."); under errors[field] the
+        # key says it already, as for the serializers' field errors
+        detail = message.removeprefix(f"{exc.field}: ") if exc.field else message
+        return APIError(message, code="invalid", errors={field: [detail]})
     return APIError(message, code="workflow_error", status_code=409)
 
 

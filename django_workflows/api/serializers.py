@@ -504,7 +504,8 @@ class LogListSerializer(serializers.Serializer):
 
 class AwareDateTimeField(serializers.DateTimeField):
     """An ISO-8601 date-time with a UTC offset (a naive one is refused, not guessed), in the
-    years 1900-9000."""
+    years :data:`~django_workflows.definition.schedule.MIN_YEAR`-``MAX_YEAR`` (1900-9000, the
+    bounds the kernel's backfill checks)."""
 
     def to_internal_value(self, value: Any) -> Any:
         from django.utils.dateparse import parse_datetime
@@ -519,8 +520,10 @@ class AwareDateTimeField(serializers.DateTimeField):
             raise serializers.ValidationError(
                 "expected an ISO-8601 date-time with a UTC offset (e.g. 2025-01-01T00:00:00Z)"
             )
-        if not 1900 <= parsed.year <= 9000:
-            raise serializers.ValidationError("the year must be between 1900 and 9000")
+        from ..definition.schedule import MAX_YEAR, MIN_YEAR
+
+        if not MIN_YEAR <= parsed.year <= MAX_YEAR:
+            raise serializers.ValidationError(f"the year must be between {MIN_YEAR} and {MAX_YEAR}")
         return parsed
 
 

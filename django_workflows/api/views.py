@@ -930,7 +930,7 @@ class _ScheduleStateView(WorkflowsAPIView):
             self.body(s.EmptyBodySerializer)
             try:
                 changed = resume_schedule(row.name, kernel=get_kernel())
-            except InvalidCommandError as exc:  # orphaned: its definition is gone
+            except InvalidCommandError as exc:  # field name: orphaned, its definition is gone
                 raise APIError(str(exc), code="schedule_orphaned", status_code=409) from None
         row.refresh_from_db()
         return Response(
@@ -990,8 +990,10 @@ class ScheduleTriggerView(WorkflowsAPIView):
             run_id = trigger_schedule(
                 row.name, kernel=get_kernel(), actor=f"api:{request.user.get_username()}"
             )
-        except WorkflowError as exc:  # its workflow or input no longer fits
-            raise APIError(str(exc), code="schedule_broken", status_code=409) from None
+        except WorkflowError as exc:  # orphaned, or its workflow or input no longer fits
+            orphaned = isinstance(exc, InvalidCommandError) and exc.field == "name"
+            code = "schedule_orphaned" if orphaned else "schedule_broken"
+            raise APIError(str(exc), code=code, status_code=409) from None
         return Response(
             s.ScheduleTriggerResultSerializer({"workflow_run_id": run_id}).data,
             status=http.HTTP_201_CREATED,
@@ -1020,6 +1022,8 @@ class ScheduleBackfillView(WorkflowsAPIView):
         try:
             result = backfill_schedule(row.name, body["start"], body["end"], kernel=get_kernel())
         except InvalidCommandError as exc:
+            if exc.field == "name":  # orphaned: its definition is gone
+                raise APIError(str(exc), code="schedule_orphaned", status_code=409) from None
             raise kernel_error(exc) from None
         except WorkflowError as exc:
             raise APIError(str(exc), code="schedule_broken", status_code=409) from None

@@ -66,6 +66,9 @@ class WorkflowRegistry:
         Raises:
             WorkflowDefinitionError: ``workflow`` is not a built :class:`Workflow`, or another
                 workflow already uses its id.
+            ScheduleDefinitionError: a schedule registered earlier for this workflow has an
+                input or config that does not fit it (so the outcome does not depend on which
+                module was imported first; nothing is registered).
         """
         if not isinstance(workflow, Workflow):
             raise WorkflowDefinitionError(
@@ -76,6 +79,12 @@ class WorkflowRegistry:
             raise WorkflowDefinitionError(
                 f"A workflow with id {workflow.id!r} is already registered"
             )
+        if self._schedules:
+            from .schedule import check_against_workflow
+
+            for schedule in self.schedules():
+                if schedule.workflow_id == workflow.id:
+                    check_against_workflow(schedule, workflow)
         self._workflows[workflow.id] = workflow
         self._runnable = None
         return workflow

@@ -21,6 +21,7 @@ Time rules (the contract the tests check):
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -54,6 +55,9 @@ CatchupPolicy = Literal["skip", "run_once", "run_all"]
 ON_TIME_SECONDS = 60.0
 #: The furthest a cron search looks ahead (a 29 February schedule needs up to 8 years).
 MAX_SEARCH_YEARS = 9
+#: Years a backfill range (and the API's date-times) may name, inclusive: far enough from
+#: ``datetime.min``/``max`` that a cron search or an interval step cannot overflow.
+MIN_YEAR, MAX_YEAR = 1900, 9000
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,179}$")
 
 _ALIASES = {
@@ -100,6 +104,12 @@ class CronExpression:
         if not isinstance(text, str):
             raise ScheduleDefinitionError("cron", f"expected a string, got {type(text).__name__}")
         expr = _ALIASES.get(text.strip().lower(), text.strip())
+        if expr.startswith("@"):
+            raise ScheduleDefinitionError(
+                "cron",
+                f"{text!r} is not supported (a schedule fires by the clock, not at start-up); "
+                f"the aliases are {', '.join(_ALIASES)}",
+            )
         parts = expr.split()
         if len(parts) != 5:
             raise ScheduleDefinitionError(
@@ -333,12 +343,30 @@ def _seconds_text(value: timedelta) -> str:
     return str(int(seconds)) if seconds == int(seconds) else str(seconds)
 
 
+#: The shortest ``every=`` interval: the ticker looks for due schedules about once a second.
+MIN_EVERY_SECONDS = 1.0
+#: The longest ``every=``, ``jitter`` and ``catchup_window`` (seconds): about 100 years.
+MAX_DURATION_SECONDS = 100 * 366 * 86400.0
+
+
 def _duration(field_name: str, value: Any, *, allow_zero: bool) -> timedelta:
     if isinstance(value, bool) or not isinstance(value, int | float | timedelta):
         raise ScheduleDefinitionError(
             field_name, f"expected seconds (a number) or a timedelta, got {value!r}"
         )
-    result = value if isinstance(value, timedelta) else timedelta(seconds=value)
+    if not isinstance(value, timedelta) and not math.isfinite(value):
+        raise ScheduleDefinitionError(
+            field_name, f"expected a finite number of seconds, got {value!r}"
+        )
+    if isinstance(value, timedelta) or abs(value) <= MAX_DURATION_SECONDS:
+        result = value if isinstance(value, timedelta) else timedelta(seconds=value)
+    else:
+        result = timedelta.min if value < 0 else timedelta.max
+    if result > timedelta(seconds=MAX_DURATION_SECONDS):
+        raise ScheduleDefinitionError(
+            field_name,
+            f"at most {int(MAX_DURATION_SECONDS)} seconds (about 100 years), got {value!r}",
+        )
     if result < timedelta(0) or (not allow_zero and result == timedelta(0)):
         raise ScheduleDefinitionError(
             field_name, f"must be {'zero or ' if allow_zero else ''}positive, got {value!r}"
@@ -414,7 +442,8 @@ def define_schedule(
             id (checked when the schedule is synced to its row).
         cron: a 5-field cron expression or alias, read in ``tz`` (exactly one of ``cron`` and
             ``every``).
-        every: a fixed interval, in seconds or as a ``timedelta`` (elapsed time).
+        every: a fixed interval, in seconds or as a ``timedelta`` (elapsed time): finite, at
+            least :data:`MIN_EVERY_SECONDS` (1 s), at most :data:`MAX_DURATION_SECONDS`.
         tz: IANA time zone of the cron expression (default ``UTC``).
         input: the workflow input of every run (a JSON object; default ``{}``).
         config: the ``{stage_id: {...}}`` config of every run.
@@ -426,14 +455,16 @@ def define_schedule(
         catchup: which times missed while no ticker ran fire when it is back: none
             (``skip``: skip to now; a time found less than 60 s late still fires), the latest
             one (``run_once``), or every one within ``catchup_window`` (``run_all``).
-        catchup_window: how far back ``run_all`` catches up (seconds or ``timedelta``).
+        catchup_window: how far back ``run_all`` catches up (seconds or ``timedelta``; finite,
+            zero or positive).
         jitter: up to this long (seconds or ``timedelta``) after its scheduled time each firing
-            is delayed, by a deterministic amount per schedule and time.
+            is delayed, by a deterministic amount per schedule and time (finite, zero or
+            positive; shorter than ``every``).
         repeated_times: a repeated wall-clock time at a DST fall back fires ``once`` (its first
             occurrence) or ``both`` times.
         anchor: the origin of an ``every`` schedule (aware; default 2000-01-01T00:00Z).
-        paused: the schedule's row starts paused (only when the row is created; later pauses
-            and resumes are made on the row, by an operator).
+        paused: (a ``bool``) the schedule's row starts paused (only when the row is created;
+            later pauses and resumes are made on the row, by an operator).
         description: shown in the admin and the API.
 
     Raises:
@@ -457,6 +488,22 @@ def define_schedule(
         raise ScheduleDefinitionError("cron", "give exactly one of cron= and every=")
     parsed = CronExpression.parse(cron) if cron is not None else None
     interval = _duration("every", every, allow_zero=False) if every is not None else None
+    if interval is not None and interval < timedelta(seconds=MIN_EVERY_SECONDS):
+        raise ScheduleDefinitionError(
+            "every",
+            f"at least {MIN_EVERY_SECONDS:g} second (the ticker looks for due schedules about "
+            f"once a second), got {every!r}",
+        )
+    window = _duration("catchup_window", catchup_window, allow_zero=True)
+    spread = _duration("jitter", jitter, allow_zero=True)
+    if interval is not None and spread >= interval:
+        raise ScheduleDefinitionError(
+            "jitter",
+            f"must be shorter than the interval every={_seconds_text(interval)}s, got "
+            f"{_seconds_text(spread)}s (a delayed firing would pass the next one)",
+        )
+    if not isinstance(paused, bool):
+        raise ScheduleDefinitionError("paused", f"expected True or False, got {paused!r}")
     tz = validate_zone(tz)
     if input is None:
         input = {}
@@ -497,11 +544,11 @@ def define_schedule(
         priority=priority,
         overlap=overlap,
         catchup=catchup,
-        catchup_window=_duration("catchup_window", catchup_window, allow_zero=True),
-        jitter=_duration("jitter", jitter, allow_zero=True),
+        catchup_window=window,
+        jitter=spread,
         repeated_times=repeated_times,
         anchor=anchor.astimezone(UTC),
-        paused=bool(paused),
+        paused=paused,
         description=str(description),
     )
     if isinstance(workflow, Workflow):
@@ -533,6 +580,10 @@ def definition_from_row(row: Any) -> ScheduleDefinition:
 
 __all__ = [
     "CATCHUP_POLICIES",
+    "MAX_DURATION_SECONDS",
+    "MAX_YEAR",
+    "MIN_EVERY_SECONDS",
+    "MIN_YEAR",
     "OVERLAP_POLICIES",
     "CronExpression",
     "ScheduleDefinition",

@@ -36,6 +36,8 @@ from django.db import DatabaseError, IntegrityError, transaction
 from ..annotations import IsoTimestamp, typed_key
 from ..conventions import Trigger
 from ..definition.schedule import (
+    MAX_YEAR,
+    MIN_YEAR,
     ON_TIME_SECONDS,
     ScheduleDefinition,
     ScheduleDefinitionError,
@@ -72,6 +74,8 @@ MAX_SCHEDULES_PER_TICK = 100
 MAX_FIRINGS_PER_TICK = 100
 #: Most scheduled times one backfill may create.
 MAX_BACKFILL = 1000
+#: Most upcoming times :func:`upcoming_times` lists (``workflows_schedule next --count``).
+MAX_UPCOMING = 1000
 #: Definition fields whose change moves the next firing (recomputed from now).
 _TIMING_FIELDS = ("cron", "every_seconds", "tz", "anchor", "repeated_times", "jitter_seconds")
 
@@ -82,6 +86,17 @@ class ScheduleNotFoundError(WorkflowError, LookupError):
     def __init__(self, name: str) -> None:
         self.name = name
         super().__init__(f"Schedule {name!r} not found")
+
+
+def _orphaned(name: str, action: str) -> InvalidCommandError:
+    """The error (field ``name``) of an operation on an orphaned schedule: its definition is
+    gone from code, so it cannot be resumed, triggered or backfilled until a deploy defines it
+    again."""
+    return InvalidCommandError(
+        f"name: schedule {name!r} is orphaned (its definition is gone from code); it cannot "
+        f"be {action} until a deploy defines it again",
+        field="name",
+    )
 
 
 @dataclass
@@ -477,11 +492,7 @@ def resume_schedule(name: str, *, kernel: Kernel | None = None) -> bool:
         if row is None:
             raise ScheduleNotFoundError(name)
         if row.orphaned:
-            raise InvalidCommandError(
-                f"name: schedule {name!r} is orphaned (no definition in code); it cannot be "
-                "resumed",
-                field="name",
-            )
+            raise _orphaned(name, "resumed")
         if not row.paused:
             return False
         row.paused, row.pause_reason, row.updated_at = False, "", now
@@ -498,6 +509,8 @@ def trigger_schedule(name: str, *, kernel: Kernel | None = None, actor: str = ""
 
     Raises:
         ScheduleNotFoundError: no such schedule.
+        InvalidCommandError: (field ``name``) the schedule is orphaned: its definition is gone
+            (nothing written).
         WorkflowNotFoundError, InvalidWorkflowInputError, InvalidWorkflowConfigError: the run
             cannot be created (nothing written).
     """
@@ -507,6 +520,8 @@ def trigger_schedule(name: str, *, kernel: Kernel | None = None, actor: str = ""
         row = lock_schedule(name)
         if row is None:
             raise ScheduleNotFoundError(name)
+        if row.orphaned:
+            raise _orphaned(name, "triggered")
         key = f"schedule:{name}:manual:{now.astimezone(UTC).isoformat()}"
         reason = f"triggered now by {actor}" if actor else "triggered now"
         run_id, _ = _start(kernel, row, now, key=key, reason=reason)
@@ -527,6 +542,34 @@ class BackfillResult:
     existing: int = 0
 
 
+def check_backfill_range(start: datetime, end: datetime) -> None:
+    """The argument check of :func:`backfill_schedule` (also used by the admin's form so its
+    errors show at the field): both aware, in the years :data:`MIN_YEAR`-:data:`MAX_YEAR`
+    (local and UTC), ``end`` not before ``start``.
+
+    Raises:
+        InvalidCommandError: ``field`` is ``start`` or ``end``; the message starts with it.
+    """
+    for label, value in (("start", start), ("end", end)):
+        if not isinstance(value, datetime) or value.utcoffset() is None:
+            raise InvalidCommandError(
+                f"{label}: expected an aware datetime, got {value!r}", field=label
+            )
+        try:
+            year = value.astimezone(UTC).year
+        except OverflowError:  # e.g. 0001-01-01T00:00+01:00 is before datetime.min in UTC
+            year = value.year
+        if not MIN_YEAR <= year <= MAX_YEAR or not MIN_YEAR <= value.year <= MAX_YEAR:
+            raise InvalidCommandError(
+                f"{label}: {value.isoformat()} is outside the years {MIN_YEAR}-{MAX_YEAR}",
+                field=label,
+            )
+    if end < start:
+        raise InvalidCommandError(
+            f"end: {end.isoformat()} is before start {start.isoformat()}", field="end"
+        )
+
+
 def backfill_schedule(
     name: str, start: datetime, end: datetime, *, kernel: Kernel | None = None
 ) -> BackfillResult:
@@ -536,20 +579,17 @@ def backfill_schedule(
 
     Raises:
         ScheduleNotFoundError: no such schedule.
-        InvalidCommandError: field ``start``/``end`` naive, ``end`` before ``start``, or more
-            than :data:`MAX_BACKFILL` times in the range (nothing written).
+        InvalidCommandError: field ``start``/``end`` naive or outside the years
+            :data:`MIN_YEAR`-:data:`MAX_YEAR` (UTC), ``end`` before ``start``, or more than
+            :data:`MAX_BACKFILL` times in the range (nothing written).
+        InvalidCommandError: (field ``name``) the schedule is orphaned: its definition is gone
+            (nothing written).
     """
     kernel = _kernel(kernel)
-    for label, value in (("start", start), ("end", end)):
-        if not isinstance(value, datetime) or value.utcoffset() is None:
-            raise InvalidCommandError(
-                f"{label}: expected an aware datetime, got {value!r}", field=label
-            )
-    if end < start:
-        raise InvalidCommandError(
-            f"end: {end.isoformat()} is before start {start.isoformat()}", field="end"
-        )
+    check_backfill_range(start, end)
     row = get_schedule(name)
+    if row.orphaned:
+        raise _orphaned(name, "backfilled")
     definition = definition_from_row(row)
     times = definition.times_between(start, end, limit=MAX_BACKFILL + 1)
     if len(times) > MAX_BACKFILL:
@@ -584,7 +624,15 @@ def backfill_schedule(
 
 def upcoming_times(row: WorkflowSchedule, count: int = 5) -> list[datetime]:
     """The next ``count`` scheduled times of ``row`` from its next firing on (``[]`` when it
-    has none)."""
+    has none).
+
+    Raises:
+        InvalidCommandError: field ``count`` not an integer in 1-:data:`MAX_UPCOMING`.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_UPCOMING:
+        raise InvalidCommandError(
+            f"count: expected an integer from 1 to {MAX_UPCOMING}, got {count!r}", field="count"
+        )
     if row.next_scheduled_at is None:
         return []
     definition = definition_from_row(row)
@@ -598,6 +646,7 @@ def upcoming_times(row: WorkflowSchedule, count: int = 5) -> list[datetime]:
 
 
 __all__ = [
+    "MAX_UPCOMING",
     "SCHEDULED_AT",
     "SCHEDULE_ID",
     "BackfillResult",
@@ -605,6 +654,7 @@ __all__ = [
     "ScheduleNotFoundError",
     "SyncResult",
     "backfill_schedule",
+    "check_backfill_range",
     "fire_due_schedules",
     "get_schedule",
     "idempotency_key",

@@ -114,12 +114,43 @@ def test_backfill_errors_name_the_field(sched_api: Any, body: dict, field: str) 
     assert WorkflowRun.objects.count() == 0
 
 
-def test_resume_an_orphaned_schedule_is_409(sched_api: Any) -> None:
+def test_a_kernel_field_error_is_not_prefixed_twice(sched_api: Any) -> None:
+    sched_api.get(f"{API}schedules/")
+    body = {"start": "2025-01-02T00:00:00Z", "end": "2025-01-01T00:00:00Z"}
+    response = sched_api.post(f"{API}schedules/api-hourly/backfill/", body, format="json")
+    assert response.status_code == 400
+    doc = response.json()
+    assert doc["errors"]["end"] == [
+        "2025-01-01T00:00:00+00:00 is before start 2025-01-02T00:00:00+00:00"
+    ], doc
+    assert "end: end:" not in response.content.decode()
+
+
+@pytest.mark.parametrize(
+    ("action", "body", "verb"),
+    [
+        ("resume", {}, "resumed"),
+        ("trigger", {}, "triggered"),
+        (
+            "backfill",
+            {"start": "2025-01-01T00:00:00Z", "end": "2025-01-01T01:00:00Z"},
+            "backfilled",
+        ),
+    ],
+)
+def test_operating_an_orphaned_schedule_is_409(
+    sched_api: Any, action: str, body: Any, verb: str
+) -> None:
     sched_api.get(f"{API}schedules/")
     registry.unregister_schedule("api-hourly")
     sched_api.get(f"{API}schedules/")  # sync orphans it
-    response = sched_api.post(f"{API}schedules/api-hourly/resume/", {}, format="json")
+    response = sched_api.post(f"{API}schedules/api-hourly/{action}/", body, format="json")
     assert response.status_code == 409 and response.json()["code"] == "schedule_orphaned"
+    assert (
+        f"is orphaned (its definition is gone from code); it cannot be {verb}"
+        in (response.json()["message"])
+    )
+    assert WorkflowRun.objects.count() == 0
 
 
 @pytest.mark.parametrize(("method", "path", "body", "perm"), ROUTES)

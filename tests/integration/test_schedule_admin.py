@@ -104,9 +104,7 @@ def test_pause_resume_trigger_backfill_with_history(django_user_model: Any) -> N
         url("backfill", NAME),
         {"confirm": "yes", "start": "2025-01-02T00:00Z", "end": "2025-01-01T00:00Z"},
     )
-    assert reversed_range.status_code == 200 and any(
-        "is before start" in t for t in texts(reversed_range)
-    )
+    assert reversed_range.status_code == 200 and b"is before start" in reversed_range.content
     filled = client.post(
         url("backfill", NAME),
         {"confirm": "yes", "start": "2025-01-01T00:00Z", "end": "2025-01-01T01:00Z"},
@@ -142,4 +140,33 @@ def test_each_operation_needs_its_permission(django_user_model: Any, op: str, pe
     assert f">{link[op]}</a>" not in viewer.get(url("change", NAME)).content.decode()
     allowed = staff(django_user_model, "allowed", "view_workflowschedule", perm)
     assert allowed.get(url(op, NAME)).status_code == 200
+    assert WorkflowRun.objects.count() == 0
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "message"),
+    [
+        ("9999-12-31T23:59Z", "9999-12-31T23:59:59Z", "is outside the years 1900-9000"),
+        ("0001-01-01T00:00Z", "2025-01-01T00:00Z", "is outside the years 1900-9000"),
+        ("2025-01-02T00:00Z", "2025-01-01T00:00Z", "is before start"),
+    ],
+)
+def test_backfill_out_of_range_is_a_form_error(
+    django_user_model: Any, start: str, end: str, message: str
+) -> None:
+    client = staff(django_user_model, "ops", *ALL)
+    client.get(url("changelist"))  # syncs the row
+    page = client.post(url("backfill", NAME), {"confirm": "yes", "start": start, "end": end})
+    assert page.status_code == 200
+    assert message in page.content.decode()
+    assert WorkflowRun.objects.count() == 0
+
+
+def test_triggering_an_orphaned_schedule_says_it_is_orphaned(django_user_model: Any) -> None:
+    client = staff(django_user_model, "ops", *ALL)
+    client.get(url("changelist"))
+    registry.unregister_schedule(NAME)
+    client.get(url("changelist"))  # sync orphans it
+    page = client.post(url("trigger", NAME), {"confirm": "yes"})
+    assert any("is orphaned (its definition is gone from code)" in t for t in texts(page))
     assert WorkflowRun.objects.count() == 0

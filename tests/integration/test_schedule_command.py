@@ -44,6 +44,13 @@ def test_list_syncs_and_shows_the_schedule() -> None:
     (doc,) = json.loads(run("list", "--json"))
     assert doc["name"] == "cmd-hourly" and doc["paused"] is False
     assert doc["next_fire_at"].endswith(":00:00+00:00")
+    # never fired: null, not "-"
+    assert doc["last_fired_at"] is None and doc["last_scheduled_at"] is None
+    assert doc["last_run_id"] is None
+
+
+def test_next_lists_up_to_the_cap() -> None:
+    assert len(run("next", "cmd-hourly", "--count", "1000").splitlines()) == 1000
 
 
 def test_next_pause_resume_trigger_backfill() -> None:
@@ -75,6 +82,7 @@ def test_next_pause_resume_trigger_backfill() -> None:
     [
         (("pause", "ghost"), "Schedule 'ghost' not found"),
         (("next", "cmd-hourly", "--count", "0"), "--count: must be > 0"),
+        (("next", "cmd-hourly", "--count", "100000"), "--count: at most 1000"),
         (
             ("backfill", "cmd-hourly", "--start", "yesterday", "--end", "2025-01-01T00:00Z"),
             "--start: 'yesterday' is not an ISO-8601 date-time",
@@ -94,10 +102,70 @@ def test_next_pause_resume_trigger_backfill() -> None:
             ),
             "end: 2025-01-01T00:00:00+00:00 is before start",
         ),
+        (
+            (
+                "backfill",
+                "cmd-hourly",
+                "--start",
+                "9999-12-31T23:59Z",
+                "--end",
+                "9999-12-31T23:59:59Z",
+            ),
+            "start: 9999-12-31T23:59:00+00:00 is outside the years 1900-9000",
+        ),
+        (
+            (
+                "backfill",
+                "cmd-hourly",
+                "--start",
+                "0001-01-01T00:00Z",
+                "--end",
+                "2025-01-01T00:00Z",
+            ),
+            "start: 0001-01-01T00:00:00+00:00 is outside the years 1900-9000",
+        ),
+        (
+            (
+                "backfill",
+                "cmd-hourly",
+                "--start",
+                "2025-01-01T00:00Z",
+                "--end",
+                "9001-01-01T00:00Z",
+            ),
+            "end: 9001-01-01T00:00:00+00:00 is outside the years 1900-9000",
+        ),
     ],
 )
 def test_bad_arguments_name_the_field(args: tuple[str, ...], message: str) -> None:
     with pytest.raises(CommandError) as info:
         run(*args)
     assert message in str(info.value)
+    assert WorkflowRun.objects.count() == 0
+
+
+def test_operating_an_orphaned_schedule_says_it_is_orphaned() -> None:
+    run("list")
+    registry.unregister_schedule("cmd-hourly")
+    for args, verb in [
+        (("trigger", "cmd-hourly"), "triggered"),
+        (("resume", "cmd-hourly"), "resumed"),
+        (
+            (
+                "backfill",
+                "cmd-hourly",
+                "--start",
+                "2025-01-01T00:00Z",
+                "--end",
+                "2025-01-01T01:00Z",
+            ),
+            "backfilled",
+        ),
+    ]:
+        with pytest.raises(CommandError) as info:
+            run(*args)
+        assert str(info.value) == (
+            "name: schedule 'cmd-hourly' is orphaned (its definition is gone from code); it "
+            f"cannot be {verb} until a deploy defines it again"
+        )
     assert WorkflowRun.objects.count() == 0

@@ -439,6 +439,9 @@ def test_pause_resume_trigger_and_backfill() -> None:
     with pytest.raises(ScheduleNotFoundError):
         trigger_schedule("nope", kernel=kernel)
     assert [t.hour for t in upcoming_times(WorkflowSchedule.objects.get(), 3)] == [14, 15, 16]
+    for count in (0, 1001, "3", True):
+        with pytest.raises(InvalidCommandError, match=r"^count: expected an integer from 1 to"):
+            upcoming_times(WorkflowSchedule.objects.get(), count)  # type: ignore[arg-type]
 
 
 def test_sync_updates_changed_definitions_and_orphans_removed_ones() -> None:
@@ -468,7 +471,7 @@ def test_sync_updates_changed_definitions_and_orphans_removed_ones() -> None:
 def test_sync_records_a_definition_whose_input_does_not_fit_its_workflow() -> None:
     bad = define_schedule("bad", "nightly", every=60, input={"value": "not a number"})
     kernel = _kernel(datetime(2025, 6, 2, 9, 30, tzinfo=UTC), workflow=two_stage("nightly"))
-    kernel.registry._schedules["bad"] = bad  # registered before its workflow was
+    kernel.registry._schedules["bad"] = bad  # bypasses register()'s check: sync still defends
     result = sync_schedules(kernel)
     assert result.errors["bad"].startswith("input:")
     row = WorkflowSchedule.objects.get()
@@ -481,6 +484,32 @@ def test_sync_records_a_definition_whose_input_does_not_fit_its_workflow() -> No
     assert sync_schedules(kernel).updated == ["bad"]
     row.refresh_from_db()
     assert row.last_error == "" and row.next_fire_at is not None
+
+
+def test_a_definition_that_does_not_fit_raises_at_registration_in_either_order() -> None:
+    from django_workflows.definition.registry import WorkflowRegistry
+
+    bad = define_schedule("bad", "nightly", every=60, input={"value": "not a number"})
+    first_workflow = WorkflowRegistry()
+    first_workflow.register(two_stage("nightly"))
+    with pytest.raises(ScheduleDefinitionError, match=r"^input: invalid input for workflow"):
+        first_workflow.register_schedule(bad)
+    assert first_workflow.schedules() == []
+    first_schedule = WorkflowRegistry()
+    first_schedule.register_schedule(bad)
+    with pytest.raises(ScheduleDefinitionError, match=r"^input: invalid input for workflow"):
+        first_schedule.register(two_stage("nightly"))
+    assert first_schedule.get("nightly") is None
+
+
+def test_sync_records_a_definition_whose_workflow_is_not_registered() -> None:
+    orphan = define_schedule("lonely", "gone", every=60)
+    kernel = _kernel(datetime(2025, 6, 2, 9, 30, tzinfo=UTC), workflow=two_stage("nightly"))
+    kernel.registry.register_schedule(orphan)
+    result = sync_schedules(kernel)
+    assert result.errors["lonely"] == "workflow: 'gone' is not a registered workflow"
+    row = WorkflowSchedule.objects.get()
+    assert row.next_fire_at is None and row.last_error == result.errors["lonely"]
 
 
 # --- definition errors name the field ------------------------------------------------------------
@@ -506,6 +535,24 @@ def test_sync_records_a_definition_whose_input_does_not_fit_its_workflow() -> No
         ({"every": 60, "repeated_times": "twice"}, "repeated_times", "once, both"),
         ({"every": 60, "anchor": datetime(2025, 1, 1)}, "anchor", "aware"),
         ({"every": 60, "priority": "high"}, "priority", "integer"),
+        ({"cron": "@reboot"}, "cron", "'@reboot' is not supported"),
+        ({"cron": "@every 5m"}, "cron", "the aliases are @yearly, @annually, @monthly"),
+        ({"every": float("nan")}, "every", "finite"),
+        ({"every": float("inf")}, "every", "finite"),
+        ({"every": 1e20}, "every", "at most"),
+        ({"every": -1e20}, "every", "positive"),
+        ({"every": timedelta.max}, "every", "at most"),
+        ({"every": 0.5}, "every", "at least 1 second"),
+        ({"every": timedelta(milliseconds=10)}, "every", "at least 1 second"),
+        ({"every": 60, "jitter": float("nan")}, "jitter", "finite"),
+        ({"every": 60, "jitter": float("inf")}, "jitter", "finite"),
+        ({"every": 60, "jitter": 60}, "jitter", "shorter than the interval every=60s"),
+        ({"every": 60, "jitter": 600}, "jitter", "shorter than the interval"),
+        ({"every": 60, "catchup_window": float("nan")}, "catchup_window", "finite"),
+        ({"every": 60, "catchup_window": float("-inf")}, "catchup_window", "finite"),
+        ({"every": 60, "catchup_window": 1e300}, "catchup_window", "at most"),
+        ({"every": 60, "paused": "yes"}, "paused", "True or False"),
+        ({"every": 60, "paused": 1}, "paused", "True or False"),
     ],
 )
 def test_bad_definitions_raise_errors_naming_the_field(

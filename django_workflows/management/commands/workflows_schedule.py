@@ -24,6 +24,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_workflows.kernel.errors import WorkflowError
 from django_workflows.kernel.runtime import get_kernel
 from django_workflows.kernel.schedules import (
+    MAX_UPCOMING,
     backfill_schedule,
     get_schedule,
     pause_schedule,
@@ -37,8 +38,13 @@ from django_workflows.models import WorkflowSchedule
 from ._common import format_datetime, require_positive
 
 
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
 def schedule_document(row: WorkflowSchedule) -> dict[str, Any]:
-    """The JSON description of one schedule row (``workflows_schedule list --json``)."""
+    """The JSON description of one schedule row (``workflows_schedule list --json``): date-times
+    as ISO-8601 strings, ``null`` when unset."""
     return {
         "name": row.name,
         "workflow_id": row.workflow_id,
@@ -52,10 +58,10 @@ def schedule_document(row: WorkflowSchedule) -> dict[str, Any]:
         "paused": row.paused,
         "pause_reason": row.pause_reason,
         "orphaned": row.orphaned,
-        "next_scheduled_at": format_datetime(row.next_scheduled_at),
-        "next_fire_at": format_datetime(row.next_fire_at),
-        "last_scheduled_at": format_datetime(row.last_scheduled_at),
-        "last_fired_at": format_datetime(row.last_fired_at),
+        "next_scheduled_at": _iso(row.next_scheduled_at),
+        "next_fire_at": _iso(row.next_fire_at),
+        "last_scheduled_at": _iso(row.last_scheduled_at),
+        "last_fired_at": _iso(row.last_fired_at),
         "last_run_id": str(row.last_run_id) if row.last_run_id else None,
         "fired_count": row.fired_count,
         "skipped_count": row.skipped_count,
@@ -85,7 +91,9 @@ class Command(BaseCommand):
         listing.add_argument("--json", action="store_true", help="print a JSON list")
         upcoming = actions.add_parser("next", help="show the next scheduled times")
         upcoming.add_argument("name")
-        upcoming.add_argument("--count", type=int, default=5, help="how many (default 5)")
+        upcoming.add_argument(
+            "--count", type=int, default=5, help=f"how many (default 5, at most {MAX_UPCOMING})"
+        )
         pause = actions.add_parser("pause", help="stop firing until resumed")
         pause.add_argument("name")
         pause.add_argument("--reason", default="", help="why (shown in the list and the admin)")
@@ -109,6 +117,10 @@ class Command(BaseCommand):
                 self._list(opts["json"])
             elif action == "next":
                 require_positive(opts["count"], "--count")
+                if opts["count"] > MAX_UPCOMING:
+                    raise CommandError(
+                        f"--count: at most {MAX_UPCOMING} (like backfill), got {opts['count']}"
+                    )
                 row = get_schedule(opts["name"])
                 for when in upcoming_times(row, opts["count"]):
                     local = when.astimezone(ZoneInfo(row.tz))
