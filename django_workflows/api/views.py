@@ -8,6 +8,7 @@ write goes through ``Kernel.dispatch`` or the public helpers built on it (``anno
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from typing import Any
@@ -269,8 +270,21 @@ class DefinitionDetailView(WorkflowsAPIView):
 
 
 def _json_query_value(raw: str) -> Any:
+    """The ``value=`` filter as JSON when it parses as such, else the string itself. ``NaN``,
+    ``Infinity`` and numbers beyond a float's range (``1e999``) stay strings: no annotation can
+    hold them (values are checked on write) and PostgreSQL's ``jsonb`` refuses them (a 500)."""
+
+    def not_json(text: str) -> Any:
+        raise ValueError(text)
+
+    def finite(text: str) -> float:
+        number = float(text)
+        if not math.isfinite(number):
+            raise ValueError(text)
+        return number
+
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=not_json, parse_float=finite)
     except ValueError:
         return raw
 
