@@ -99,6 +99,21 @@ def _orphaned(name: str, action: str) -> InvalidCommandError:
     )
 
 
+def _lock_operable(name: str, action: str) -> WorkflowSchedule:
+    """Lock schedule ``name`` for an operator's ``action`` ("resumed", "triggered").
+
+    Raises:
+        ScheduleNotFoundError: no such schedule.
+        InvalidCommandError: (field ``name``) it is orphaned (:func:`_orphaned`).
+    """
+    row = lock_schedule(name)
+    if row is None:
+        raise ScheduleNotFoundError(name)
+    if row.orphaned:
+        raise _orphaned(name, action)
+    return row
+
+
 @dataclass
 class SyncResult:
     """What :func:`sync_schedules` changed: schedule names per kind, and ``errors`` as
@@ -488,16 +503,13 @@ def resume_schedule(name: str, *, kernel: Kernel | None = None) -> bool:
     kernel = _kernel(kernel)
     now = kernel.clock.now()
     with transaction.atomic():
-        row = lock_schedule(name)
-        if row is None:
-            raise ScheduleNotFoundError(name)
-        if row.orphaned:
-            raise _orphaned(name, "resumed")
+        row = _lock_operable(name, "resumed")
         if not row.paused:
             return False
         row.paused, row.pause_reason, row.updated_at = False, "", now
         if not row.last_error or row.next_scheduled_at is not None:
-            _set_next(row, definition_from_row(row), definition_from_row(row).next_after(now))
+            definition = definition_from_row(row)
+            _set_next(row, definition, definition.next_after(now))
         row.save()
     return True
 
@@ -517,11 +529,7 @@ def trigger_schedule(name: str, *, kernel: Kernel | None = None, actor: str = ""
     kernel = _kernel(kernel)
     now = kernel.clock.now()
     with transaction.atomic():
-        row = lock_schedule(name)
-        if row is None:
-            raise ScheduleNotFoundError(name)
-        if row.orphaned:
-            raise _orphaned(name, "triggered")
+        row = _lock_operable(name, "triggered")
         key = f"schedule:{name}:manual:{now.astimezone(UTC).isoformat()}"
         reason = f"triggered now by {actor}" if actor else "triggered now"
         run_id, _ = _start(kernel, row, now, key=key, reason=reason)
