@@ -70,7 +70,7 @@ from .handlers.job_execute import run_stage, start_stage, write_outcome
 from .handlers.run_claim_pending import start_claimed_run
 from .handlers.run_transition import advance
 from .locking import LOCKED, claim_next_pending_run, lock_run, try_lock_run
-from .outbox import append_events, new_causation_id
+from .outbox import append_events, caused_by, new_causation_id
 from .services import KernelStageServices, forget_run, note_run_not_running
 from .store import load_outputs, run_error, stages_of, update_run, update_stage, write_log
 
@@ -269,14 +269,18 @@ def begin(
     earlier_outputs = {r.stage_id: known.get(r.stage_id, loaded.get(r.stage_id)) for r in earlier}
     resume_state = record.suspended_state if record is not None else None
     record = start_stage(run, node, record, job.payload.get("config") or {}, now)
+    causation = new_causation_id()  # the delivery's: its stage:started, then its outcome's
     events.append(
-        ev.event(
-            ev.STAGE_STARTED,
-            run.pk,
-            now,
-            stage_id=node.stage.id,
-            stage_name=node.stage.name,
-            stage_number=node.stage_number,
+        caused_by(
+            ev.event(
+                ev.STAGE_STARTED,
+                run.pk,
+                now,
+                stage_id=node.stage.id,
+                stage_name=node.stage.name,
+                stage_number=node.stage_number,
+            ),
+            causation,
         )
     )
     records = [r for r in records if r.stage_id != record.stage_id] + [record]
@@ -290,6 +294,7 @@ def begin(
         outputs=earlier_outputs,
         resume_state=resume_state,
         started_at=now,
+        causation_id=causation,
     )
 
 

@@ -59,8 +59,24 @@ def _reserve_sequences(run_id: Any, count: int, now: datetime) -> int:
     return int(row[0])
 
 
+#: The key :func:`caused_by` marks an event with (removed before the event is stored).
+_CAUSATION_KEY = "_causation_id"
+
+
+def caused_by(event: dict[str, Any], causation_id: str) -> dict[str, Any]:
+    """Mark ``event`` (in place; returned) to be appended with ``causation_id`` instead of the
+    one :func:`append_events` is given: one transaction may append the events of two
+    causations (an outcome and the next stage's delivery it leased; one delivery is one
+    causation, SPEC K-5, K-JE-2).
+    """
+    event[_CAUSATION_KEY] = causation_id
+    return event
+
+
 def append_events(events: Iterable[dict[str, Any]], causation_id: str, now: datetime) -> int:
     """Append ``events`` (in order) to the outbox; returns the count.
+
+    ``causation_id``: every event's, except an event marked by :func:`caused_by`.
 
     Per run, one ``UPDATE ... RETURNING`` reserves the next ``len(events)`` sequence numbers on
     the run row (EV-3) and one bulk INSERT writes all rows. Must be called inside
@@ -84,8 +100,8 @@ def append_events(events: Iterable[dict[str, Any]], causation_id: str, now: date
                 workflow_run_id=run_id,
                 sequence=first + offset,
                 event_type=ev["type"],
+                causation_id=ev.pop(_CAUSATION_KEY, causation_id),
                 payload=ev,
-                causation_id=causation_id,
                 occurred_at=now,
             )
             for offset, ev in enumerate(run_events)

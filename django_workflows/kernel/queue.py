@@ -423,12 +423,17 @@ class JobQueue:
         cutoff = self.lease_clock.offset(-threshold_seconds)
         return sum(1 for job in lock_exhausted_stale_jobs(cutoff) if self.give_up(job))
 
-    def cancel_by_run(self, run_id: uuid.UUID) -> int:
-        """PENDING and SUSPENDED jobs of the run -> CANCELLED (DM-47). RUNNING ones are left."""
+    def cancel_by_run(self, run_id: uuid.UUID, *, running: bool = False) -> int:
+        """PENDING and SUSPENDED jobs of the run -> CANCELLED (DM-47). RUNNING ones are left,
+        unless ``running``: then they are taken back too (a rerun, issue 17: a delivery of the
+        old generation, however live its lease, no longer owns its job, so its outcome matches
+        no fence and its heartbeat reports the lease lost). Returns the count.
+        """
         now = self.clock.now()
-        return WorkflowJob.objects.filter(
-            workflow_run_id=run_id, status__in=[Status.PENDING, Status.SUSPENDED]
-        ).update(status=Status.CANCELLED, completed_at=now, updated_at=now)
+        statuses = [Status.PENDING, Status.SUSPENDED] + ([Status.RUNNING] if running else [])
+        return WorkflowJob.objects.filter(workflow_run_id=run_id, status__in=statuses).update(
+            status=Status.CANCELLED, completed_at=now, updated_at=now
+        )
 
     def jobs_by_run(self, run_id: uuid.UUID) -> list[WorkflowJob]:
         """Every job of the run, any status (DM-48)."""

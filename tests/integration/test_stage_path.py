@@ -363,3 +363,75 @@ def test_a_whole_diamond_run_stays_within_the_pinned_cost_per_stage(kernel_for: 
     assert WorkflowRun.objects.get(pk=run_id).output == {"value": 112}
     assert len(queries.captured_queries) / 4 <= MAX_STATEMENTS_PER_STAGE_DIAMOND
     assert commits.count / 4 <= MAX_COMMITS_PER_STAGE_DIAMOND
+
+
+# --- Issue 17: the fence and an old generation with a live lease; one delivery, one causation ---
+
+
+def test_old_generation_delivery_with_a_live_lease_is_discarded_after_a_rerun(
+    kernel_for: Any,
+) -> None:
+    """Issue 17 section 2: ``s`` is leased (its lease stays live: no clock moves), its sibling
+    ``bad`` fails, the run fails (here by hand: the stage path waits for ``s``, but the stuck-run
+    reaper on a skewed clock did it in the field), an operator reruns the group. The old
+    delivery then finishes: it is discarded (the rerun took its job back), so the new
+    generation's record, output and events stay untouched, and the old job is not delivered
+    again."""
+
+    def boom(ctx: StageContext[Num, Any]) -> Num:
+        raise RuntimeError("sibling failed")
+
+    bad = define_stage(id="bad", input=Num, output=Num, execute=boom, retry=1)
+    wf = (
+        define_workflow(id="livefence", input=Num)
+        .parallel([_counting_stage("s", [1, 2]), bad])
+        .build()
+    )
+    kernel = kernel_for(wf)
+    run_id = _start(kernel, "livefence")
+    old = delivery.lease(kernel, "old-worker")
+    assert old is not None
+    if old.node.stage.id != "s":  # the sibling was leased first: fail it, then lease s
+        delivery.deliver(kernel, old, None)
+        old = delivery.lease(kernel, "old-worker")
+    else:
+        sibling = delivery.lease(kernel, "other-worker")
+        assert sibling is not None and sibling.node.stage.id == "bad"
+        delivery.deliver(kernel, sibling, None)
+    assert old is not None and old.node.stage.id == "s"
+    old_outcome, old_services = delivery.execute(kernel, old)
+    WorkflowRun.objects.filter(pk=run_id).update(status=Status.FAILED)
+
+    kernel.dispatch(RerunFrom(run_id, "s"))
+    late = delivery.commit_outcome(kernel, old, old_outcome, old_services, "old-worker")
+
+    assert late.outcome == "discarded"
+    record = WorkflowStage.objects.get(run_id=run_id, stage_id="s")
+    assert (record.attempt, record.status) == (1, Status.PENDING)
+    assert not WorkflowBlob.objects.filter(key__endswith="/s/output.json").exists()
+    assert _completed_once(run_id) == {}
+    old_job = WorkflowJob.objects.get(pk=old.job.pk)
+    assert old_job.status != Status.RUNNING  # taken back: never delivered again
+    _assert_gap_free(run_id)
+
+
+def test_a_delivery_is_one_causation_from_stage_started_to_stage_completed(
+    kernel_for: Any,
+) -> None:
+    """SPEC K-5, K-JE-2 (issue 17): every event a delivery appends, from ``stage:started`` in
+    the lease to ``stage:completed`` in the outcome, carries the delivery's one causation id;
+    the continued next stage is a delivery of its own, with its own causation id."""
+    wf = (
+        define_workflow(id="causes", input=Num).pipe(add(1, stage_id="a")).pipe(add(2, "b")).build()
+    )
+    kernel = kernel_for(wf)
+    run_id = _start(kernel, "causes")
+    assert process_available_jobs(kernel, "w", max_jobs=5).processed == 2
+
+    def causation(event_type: str, stage_id: str) -> str:
+        (event,) = [e for e in _events(run_id, event_type) if e.payload["stage_id"] == stage_id]
+        return event.causation_id
+
+    for stage_id in ("a", "b"):
+        assert causation("stage:started", stage_id) == causation("stage:completed", stage_id)
+    assert causation("stage:completed", "a") != causation("stage:completed", "b")

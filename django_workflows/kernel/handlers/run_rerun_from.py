@@ -3,7 +3,8 @@
 Refuses (nothing changed) unless the run is COMPLETED or FAILED, the workflow is registered, the
 stage exists, and every earlier execution group is COMPLETED (Part I item 10, naming the stage
 that is not). Then, in one transaction: delete the records of the target group and later groups
-(their annotations survive with the stage link nulled, AN-13), delete what those stages stored in
+(their annotations survive with the stage link nulled, AN-13), take back the run's jobs still
+out (PENDING, SUSPENDED or RUNNING with a live lease -> CANCELLED, issue 17), delete what those stages stored in
 the blob store, reset the run to RUNNING (``started_at`` keeps the first start), create PENDING
 records of the target group with ``attempt = previous max + 1`` (the rerun generation), enqueue
 their jobs, and append
@@ -59,6 +60,9 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
     attempt = max((r.attempt for r in deleted), default=0) + 1
     now = kernel.clock.now()
     deleted_ids = [r.stage_id for r in deleted]
+    # Take back every job of the old generation still out, a live lease or not (issue 17):
+    # the fence (job id, status RUNNING, attempt) then refuses its late outcome.
+    kernel.queue.cancel_by_run(run_id, running=True)
     kernel.blobs.delete_stage_blobs(str(run_id), deleted_ids)
     WorkflowStage.objects.filter(pk__in=[r.pk for r in deleted]).delete()
     # started_at keeps the run's first start (an operator asked "when did this run start",
