@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -66,6 +66,34 @@ def kernel_for(
     clock: FakeClock, sink: CollectingSink, transport: RecordingTransport
 ) -> Callable[..., Kernel]:
     """``kernel_for(*workflows, **kwargs)`` -> a kernel with the fixtures' clock/sink/transport."""
+
+    def build(*workflows: Workflow, **kwargs: Any) -> Kernel:
+        return make_kernel(*workflows, clock=clock, event_sink=sink, transport=transport, **kwargs)
+
+    return build
+
+
+class SkewedClock:
+    """A kernel clock that is *not* the lease clock (issue 17): the host's real time shifted by
+    ``skew_seconds`` (a host whose clock runs ahead, or behind), with no ``drives_leases``, so
+    every lease is stamped and judged by the database's clock as in production.
+    """
+
+    def __init__(self, skew_seconds: float) -> None:
+        self.skew = timedelta(seconds=skew_seconds)
+
+    def now(self) -> datetime:
+        return datetime.now(UTC) + self.skew
+
+
+@pytest.fixture(params=[90.0, -90.0], ids=["kernel-ahead-90s", "kernel-behind-90s"])
+def skewed_kernel_for(
+    request: Any, sink: CollectingSink, transport: RecordingTransport
+) -> Callable[..., Kernel]:
+    """``skewed_kernel_for(*workflows, **kwargs)`` -> a kernel whose clock is 90 s ahead of
+    (then, second parameter, behind) the database clock that stamps its leases.
+    """
+    clock = SkewedClock(request.param)
 
     def build(*workflows: Workflow, **kwargs: Any) -> Kernel:
         return make_kernel(*workflows, clock=clock, event_sink=sink, transport=transport, **kwargs)
