@@ -65,9 +65,7 @@ def _settings_namespace() -> dict[str, Any]:
 
 def _code(block: Block) -> Any:
     """``block`` compiled so that a traceback names the page and its real line numbers."""
-    return compile(
-        "\n" * (block.line - 1) + block.code, str(block.path), "exec", dont_inherit=True
-    )
+    return compile("\n" * (block.line - 1) + block.code, str(block.path), "exec", dont_inherit=True)
 
 
 def _run_settings(block: Block) -> None:

@@ -62,7 +62,5 @@ def test_fences_that_would_hide_code_are_refused(
         "```console\n$ python manage.py workflows_list\nshown output\n```\n",
     ],
 )
-def test_allowed_fences_pass(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str
-) -> None:
+def test_allowed_fences_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str) -> None:
     assert _problems(tmp_path, text, monkeypatch) == []

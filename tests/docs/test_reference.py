@@ -81,8 +81,9 @@ def _public_exceptions() -> dict[str, type[BaseException]]:
 def test_every_public_exception_is_importable_from_the_package_root() -> None:
     exceptions = _public_exceptions()
     assert {"InvalidWorkflowInputError", "WorkflowNotFoundError"} <= set(exceptions)
-    missing = sorted(n for n, cls in exceptions.items() if getattr(django_workflows, n, None)
-                     is not cls)
+    missing = sorted(
+        n for n, cls in exceptions.items() if getattr(django_workflows, n, None) is not cls
+    )
     assert missing == [], "not importable from django_workflows (add them to _LAZY)"
     assert sorted(set(exceptions) - set(django_workflows.__all__)) == []
 

@@ -24,6 +24,7 @@ from django_workflows import StageContext, define_stage, define_workflow
 from django_workflows.kernel import ClaimPendingRuns, CreateRun, faults
 from django_workflows.kernel.connections import is_connection_error, retry_on_disconnect
 from django_workflows.kernel.hosting import process_available_jobs
+from django_workflows.kernel.stage_path import lease as stage_lease
 from django_workflows.models import OutboxEvent, Status, WorkflowJob, WorkflowLog, WorkflowRun
 from tests.markers import ON_POSTGRES
 from tests.workflows import Num, add
@@ -422,7 +423,6 @@ def test_a_job_this_process_already_executed_is_never_taken_back(
     """The take-back after a lost acknowledgement (``_adopt_orphan``) must never run a stage
     body a second time under the same attempt: a job whose body this process started - and
     that something left RUNNING - waits for lease expiry and a new, counted delivery."""
-    from django_workflows.kernel import delivery
 
     bodies = {"n": 0}
     stage = _hook_stage("s1", lambda ctx: bodies.__setitem__("n", bodies["n"] + 1))
@@ -440,10 +440,10 @@ def test_a_job_this_process_already_executed_is_never_taken_back(
     job = WorkflowJob.objects.get(workflow_run_id=run_id)
     assert (job.status, job.worker_id, job.attempt) == (Status.RUNNING, "w", 1)
     with transaction.atomic():
-        assert delivery._adopt_orphan(kernel, "w") is None
+        assert stage_lease._adopt_orphan(kernel, "w") is None
     # The same job leased by a commit whose acknowledgement this process never saw (its body
     # not started here) is taken back: the guard is what kept it from being run again.
-    monkeypatch.setattr(delivery, "_executed", delivery._ExecutedTokens(16))
+    monkeypatch.setattr(stage_lease, "_executed", stage_lease._ExecutedTokens(16))
     with transaction.atomic():
-        orphan = delivery._adopt_orphan(kernel, "w")
+        orphan = stage_lease._adopt_orphan(kernel, "w")
     assert orphan is not None and (orphan.job.pk, orphan.job.attempt) == (job.pk, 1)

@@ -19,6 +19,7 @@ from django.test.utils import CaptureQueriesContext
 from django_workflows.kernel import ClaimPendingRuns, CreateRun, Kernel, delivery, hosting
 from django_workflows.kernel import supervisor as supervisor_module
 from django_workflows.kernel.hosting import LeaseKeeper
+from django_workflows.kernel.stage_path import execute as stage_execute
 from django_workflows.kernel.supervisor import (
     RELEASE_EXIT_SECONDS,
     TICKER_LEASE,
@@ -181,7 +182,7 @@ def test_past_the_grace_period_the_running_stage_is_released_and_its_result_disc
     signal = StopSignal()
     exits: list[int] = []
     stop = StopDuty(lambda: kernel, signal, lambda: [], exit_process=lambda: exits.append(1))
-    real_run_stage = delivery.run_stage
+    real_run_stage = stage_execute.run_stage
     seen: dict[str, Any] = {}
 
     def body_during_stop(*args: Any, **kwargs: Any) -> Any:
@@ -197,7 +198,7 @@ def test_past_the_grace_period_the_running_stage_is_released_and_its_result_disc
         ).get()
         return real_run_stage(*args, **kwargs)
 
-    monkeypatch.setattr(delivery, "run_stage", body_during_stop)
+    monkeypatch.setattr(stage_execute, "run_stage", body_during_stop)
     leased = delivery.lease(kernel, "w1")
     assert leased is not None
     wakeups = transport.worker_wakeups
@@ -209,7 +210,7 @@ def test_past_the_grace_period_the_running_stage_is_released_and_its_result_disc
     assert result.outcome == "discarded"
     stop.run(GRACE + RELEASE_EXIT_SECONDS + 0.1)
     assert exits == []  # the body returned: the worker ends on its own
-    monkeypatch.setattr(delivery, "run_stage", real_run_stage)
+    monkeypatch.setattr(stage_execute, "run_stage", real_run_stage)
     done = delivery.work(kernel, "w2", max_jobs=5)
     assert done.processed == 2
     assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED
@@ -228,7 +229,7 @@ def test_a_body_that_ignores_the_release_ends_its_process(
     signal = StopSignal()
     exits: list[int] = []
     stop = StopDuty(lambda: kernel, signal, lambda: [], exit_process=lambda: exits.append(1))
-    real_run_stage = delivery.run_stage
+    real_run_stage = stage_execute.run_stage
 
     def stubborn(*args: Any, **kwargs: Any) -> Any:
         signal.set()
@@ -240,7 +241,7 @@ def test_a_body_that_ignores_the_release_ends_its_process(
         assert exits == [1]
         return real_run_stage(*args, **kwargs)
 
-    monkeypatch.setattr(delivery, "run_stage", stubborn)
+    monkeypatch.setattr(stage_execute, "run_stage", stubborn)
     leased = delivery.lease(kernel, "w1")
     assert leased is not None
     assert delivery.deliver(kernel, leased, "w1", signal).outcome == "discarded"
@@ -258,7 +259,7 @@ def test_a_stopping_worker_leases_nothing_and_releases_the_next_stage_unstarted(
     kernel = kernel_for(two_stage())
     run_id = kernel.dispatch(CreateRun("two-stage", {"value": 1})).workflow_run_id
     signal = StopSignal()
-    real_run_stage = delivery.run_stage
+    real_run_stage = stage_execute.run_stage
     started: list[str] = []
 
     def body(*args: Any, **kwargs: Any) -> Any:
@@ -266,7 +267,7 @@ def test_a_stopping_worker_leases_nothing_and_releases_the_next_stage_unstarted(
         signal.set()  # SIGTERM arrives while the first stage executes
         return real_run_stage(*args, **kwargs)
 
-    monkeypatch.setattr(delivery, "run_stage", body)
+    monkeypatch.setattr(stage_execute, "run_stage", body)
     wakeups = transport.worker_wakeups
     done = delivery.work(kernel, "w1", max_jobs=10, stop=signal)
     assert (done.processed, started) == (1, ["add-1"])

@@ -1,6 +1,6 @@
 """Stage timeouts and the queue-wait limit (issue 12 item 2), in process.
 
-The heartbeat thread is the watchdog; here it is a :class:`delivery._Beater` without a thread,
+The heartbeat thread is the watchdog; here it is a :class:`heartbeat._Beater` without a thread,
 driven by the test (``run_due(now)``, a monotonic time of the test's choosing), so no test
 waits for real time to pass. The stage bodies call it themselves to "let time pass" while
 they run. Lease time and the kernel clock are the :class:`FakeClock`.
@@ -19,8 +19,9 @@ from django.test.utils import CaptureQueriesContext
 
 from django_workflows import StageContext, define_stage, define_workflow
 from django_workflows.definition.stage import WorkflowDefinitionError, stage
-from django_workflows.kernel import ClaimPendingRuns, CreateRun, delivery, timeouts
+from django_workflows.kernel import ClaimPendingRuns, CreateRun, delivery, heartbeat, timeouts
 from django_workflows.kernel.hosting import process_available_jobs, run_maintenance_tick
+from django_workflows.kernel.stage_path import execute as stage_execute
 from django_workflows.models import (
     OutboxEvent,
     Status,
@@ -39,10 +40,10 @@ GRACE = 5.0
 
 
 @pytest.fixture
-def watchdog(monkeypatch: pytest.MonkeyPatch) -> Iterator[delivery._Beater]:
+def watchdog(monkeypatch: pytest.MonkeyPatch) -> Iterator[heartbeat._Beater]:
     """The heartbeat thread, driven by hand."""
-    beater = delivery._Beater(thread=False)
-    monkeypatch.setattr(delivery, "_beater", beater)
+    beater = heartbeat._Beater(thread=False)
+    monkeypatch.setattr(heartbeat, "_beater", beater)
     recycled: list[str] = []
     timeouts.set_recycle(lambda: recycled.append("recycled"))
     beater.recycled = recycled  # type: ignore[attr-defined]
@@ -79,7 +80,7 @@ def _assert_gap_free(run_id: Any) -> None:
 
 
 def _slow_stage(
-    watchdog: delivery._Beater, behaviours: list[str], *, timeout: float = 10, **kwargs: Any
+    watchdog: heartbeat._Beater, behaviours: list[str], *, timeout: float = 10, **kwargs: Any
 ) -> Any:
     """A stage whose n-th delivery does ``behaviours[n]`` (the last one repeats):
 
@@ -149,7 +150,7 @@ def test_timeouts_on_each_way_of_defining_a_stage_and_the_defaults() -> None:
 
 
 def test_a_body_that_returns_within_the_grace_fails_with_the_timeout_and_is_retried(
-    kernel_for: Any, clock: FakeClock, watchdog: delivery._Beater
+    kernel_for: Any, clock: FakeClock, watchdog: heartbeat._Beater
 ) -> None:
     """Past the deadline ``ctx.is_cancelled()`` is true; the body's result is discarded and
     the delivery fails with ``StageTimeout`` (naming stage and limit), committed by the
@@ -177,7 +178,7 @@ def test_a_body_that_returns_within_the_grace_fails_with_the_timeout_and_is_retr
 
 
 def test_a_body_that_ignores_the_cancel_has_its_timeout_committed_and_its_worker_recycled(
-    kernel_for: Any, clock: FakeClock, watchdog: delivery._Beater
+    kernel_for: Any, clock: FakeClock, watchdog: heartbeat._Beater
 ) -> None:
     """Past the grace the watchdog commits the timeout for the still-running body (fenced) and
     recycles the worker; the body's late result then matches no fence and is discarded (no
@@ -211,7 +212,7 @@ def test_a_body_that_ignores_the_cancel_has_its_timeout_committed_and_its_worker
     }
 )
 def test_a_stage_that_always_times_out_fails_its_run_after_its_retries(
-    kernel_for: Any, clock: FakeClock, watchdog: delivery._Beater
+    kernel_for: Any, clock: FakeClock, watchdog: heartbeat._Beater
 ) -> None:
     slow = _slow_stage(watchdog, ["polite"], timeout=1.5)
     kernel = kernel_for(define_workflow(id="t-always", input=Num).pipe(slow).build())
@@ -232,7 +233,7 @@ def test_a_stage_that_always_times_out_fails_its_run_after_its_retries(
 
 
 def test_the_default_stage_timeout_applies_to_stages_without_their_own(
-    kernel_for: Any, watchdog: delivery._Beater, settings: Any
+    kernel_for: Any, watchdog: heartbeat._Beater, settings: Any
 ) -> None:
     settings.DJANGO_WORKFLOWS = {**settings.DJANGO_WORKFLOWS, "DEFAULT_STAGE_TIMEOUT_SECONDS": 7}
     slow = _slow_stage(watchdog, ["polite"], timeout=7, timeout_seconds=None)
@@ -247,7 +248,7 @@ def test_the_default_stage_timeout_applies_to_stages_without_their_own(
 
 
 def test_a_stage_that_finishes_before_the_deadline_is_not_watched_afterwards(
-    kernel_for: Any, watchdog: delivery._Beater
+    kernel_for: Any, watchdog: heartbeat._Beater
 ) -> None:
     """Leaving the heartbeat block ends the watch: a deadline passing between the body's
     return and the outcome commit changes nothing."""
@@ -266,7 +267,7 @@ def test_a_stage_that_finishes_before_the_deadline_is_not_watched_afterwards(
 
 @pytest.mark.parametrize("first", ["watchdog", "stage"])
 def test_a_stage_finishing_exactly_at_the_deadline_is_completed_or_timed_out_never_both(
-    kernel_for: Any, watchdog: delivery._Beater, first: str
+    kernel_for: Any, watchdog: heartbeat._Beater, first: str
 ) -> None:
     """The watchdog's timeout and the body's result race for the same fence (the job RUNNING at
     the delivery's attempt): whichever commits first wins, the other is discarded."""
@@ -279,7 +280,7 @@ def test_a_stage_finishing_exactly_at_the_deadline_is_completed_or_timed_out_nev
     assert outcome.error is None
 
     def watchdog_commit() -> None:
-        delivery._commit_overdue(kernel, d, services, 1)
+        stage_execute._commit_overdue(kernel, d, services, 1)
 
     def stage_commit() -> str:
         return delivery.commit_outcome(kernel, d, outcome, services, None).outcome
@@ -300,7 +301,7 @@ def test_a_stage_finishing_exactly_at_the_deadline_is_completed_or_timed_out_nev
 
 
 def test_a_stage_with_a_timeout_costs_no_extra_statement(
-    kernel_for: Any, watchdog: delivery._Beater
+    kernel_for: Any, watchdog: heartbeat._Beater
 ) -> None:
     """The watch is in memory: a timed stage that finishes in time costs what an untimed one
     costs."""

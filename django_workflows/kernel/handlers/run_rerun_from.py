@@ -4,10 +4,10 @@ Refuses (nothing changed) unless the run is COMPLETED or FAILED, the workflow is
 stage exists, and every earlier execution group is COMPLETED (Part I item 10, naming the stage
 that is not). Then, in one transaction: delete the records of the target group and later groups
 (their annotations survive with the stage link nulled, AN-13), take back the run's jobs still
-out (PENDING, SUSPENDED or RUNNING with a live lease -> CANCELLED, issue 17), delete what those stages stored in
-the blob store, reset the run to RUNNING (``started_at`` keeps the first start), create PENDING
-records of the target group with ``attempt = previous max + 1`` (the rerun generation), enqueue
-their jobs, and append
+out (PENDING, SUSPENDED or RUNNING with a live lease -> CANCELLED, issue 17), delete what those
+stages stored in the blob store, reset the run to RUNNING (``started_at`` keeps the first
+start), create PENDING records of the target group with ``attempt = previous max + 1`` (the rerun
+generation), enqueue their jobs, and append
 ``workflow:started`` with the rerun marker (``rerun``: from which stage, generation, actor,
 reason).
 """

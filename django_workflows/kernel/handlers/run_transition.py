@@ -1,42 +1,23 @@
-"""``run.transition`` (SPEC §4.3, K-TR-1..9; Part I items 14 and 17).
-
-Locks the run row first, so concurrent transitions of one run are serialised and exactly one
-advances or completes it (EC-8); the second sees the new group's PENDING records and returns
-``noop``. Acts on RUNNING runs only (EC-30).
-
-* no stage records yet -> create group 1, enqueue, ``workflow:started`` (``advanced``, 1);
-* any PENDING/RUNNING/SUSPENDED record -> ``noop`` (K-TR-4);
-* a FAILED record whose job is not being retried -> run FAILED, ``workflow:failed`` (K-TR-5);
-* a next group exists -> create it with the current rerun attempt, enqueue (K-TR-6);
-* otherwise -> run COMPLETED with the last group's output and cost totals (K-TR-7).
+"""``run.transition`` (SPEC §4.3, K-TR-1..9): lock the run row first, so concurrent
+transitions of one run are serialised and exactly one advances or completes it (EC-8); acts on
+RUNNING runs only (EC-30). The rules themselves are :func:`.stage_path.transition.advance`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ...definition.workflow import Workflow
-from ...models import ACTIVE_STAGE_STATUSES, Status, WorkflowJob, WorkflowRun, WorkflowStage
-from .. import events as ev
-from ..commands import TransitionRun, TransitionRunResult
+from ...models import Status
+from ..commands import TransitionRun
 from ..locking import lock_run, parse_run_id
-from ..store import (
-    create_missing_stages,
-    duration_ms,
-    group_output,
-    load_outputs,
-    run_error,
-    stages_of,
-    update_run,
-)
-from .base import HandlerOutput, enqueue_stage_jobs, job_leased_to
+from ..stage_path.transition import NOOP, Advance, advance
+from ..store import stages_of
+from .base import HandlerOutput
 
 if TYPE_CHECKING:
     from ..dispatch import Kernel
 
-NOOP = TransitionRunResult("noop")
+__all__ = ["NOOP", "Advance", "advance", "handle"]
 
 
 def handle(kernel: Kernel, cmd: TransitionRun) -> HandlerOutput:
@@ -49,133 +30,3 @@ def handle(kernel: Kernel, cmd: TransitionRun) -> HandlerOutput:
         return HandlerOutput(NOOP)
     step = advance(kernel, workflow, run, stages_of(run_id), kernel.clock.now())
     return HandlerOutput(step.result, step.events)
-
-
-@dataclass
-class Advance:
-    """What :func:`advance` did: the public result, the events to append, the records it
-    created, and the job it reserved for the calling worker (``None`` if it reserved none).
-    """
-
-    result: TransitionRunResult
-    events: list[dict[str, Any]] = field(default_factory=list)
-    new_records: list[WorkflowStage] = field(default_factory=list)
-    reserved_job: WorkflowJob | None = None
-
-
-def advance(
-    kernel: Kernel,
-    workflow: Workflow,
-    run: WorkflowRun,
-    records: list[WorkflowStage],
-    now: datetime,
-    *,
-    outputs: dict[str, Any] | None = None,
-    reserve_for: str | None = None,
-    serves: frozenset[str] | None = None,
-) -> Advance:
-    """The transition rules (K-TR-1..9) for a run whose row the caller has locked and found
-    RUNNING, given its current stage ``records``.
-
-    ``outputs``: raw outputs the caller already holds (``{stage_id: output}``), so completing
-    a run does not read them again. ``reserve_for``: a worker id; the first job of a new group
-    is inserted leased to that worker if it serves the job's queue (``serves``: its queues,
-    ``None`` any; see :func:`.base.enqueue_stage_jobs`).
-    """
-    run_id = run.pk
-    if not records:
-        new = create_missing_stages(run, workflow.stages_in_group(1), attempt=0, now=now)
-        update_run(run_id, now)
-        jobs = enqueue_stage_jobs(
-            kernel.queue, run, new, workflow=workflow, reserve_for=reserve_for, serves=serves
-        )
-        return Advance(
-            TransitionRunResult("advanced", 1),
-            [ev.event(ev.WORKFLOW_STARTED, run_id, now)],
-            new,
-            job_leased_to(jobs, reserve_for),
-        )
-
-    if any(r.status in ACTIVE_STAGE_STATUSES for r in records):
-        return Advance(NOOP)
-
-    failed = [r for r in records if r.status == Status.FAILED]
-    if failed:
-        jobs = kernel.queue.jobs_by_run(run_id)
-        retrying = {
-            j.stage_id
-            for j in jobs
-            if j.status == Status.RUNNING or (j.status == Status.PENDING and j.attempt > 0)
-        }
-        unretried = [r for r in failed if r.stage_id not in retrying]
-        if not unretried:
-            return Advance(NOOP)
-        first = unretried[0]
-        error = first.error_message or "Stage failed"
-        deliveries = [j for j in jobs if j.stage_id == first.stage_id]
-        update_run(
-            run_id,
-            now,
-            status=Status.FAILED,
-            completed_at=now,
-            duration_ms=duration_ms(run.started_at, now),
-            # In the same UPDATE: the failed stage's error (its error_type rode in its metrics).
-            error=run_error(
-                first.stage_id,
-                error,
-                (first.metrics or {}).get("error_type"),
-                attempt=first.attempt,
-                delivery=max(deliveries, key=lambda j: j.pk).attempt if deliveries else None,
-            ),
-        )
-        return Advance(
-            TransitionRunResult("failed"), [ev.event(ev.WORKFLOW_FAILED, run_id, now, error=error)]
-        )
-
-    max_group = max(r.execution_group for r in records)
-    next_nodes = workflow.stages_in_group(max_group + 1)
-    if next_nodes:
-        attempt = max(r.attempt for r in records)
-        new = create_missing_stages(run, next_nodes, attempt=attempt, now=now, records=records)
-        jobs = enqueue_stage_jobs(
-            kernel.queue, run, new, workflow=workflow, reserve_for=reserve_for, serves=serves
-        )
-        return Advance(
-            TransitionRunResult("advanced", max_group + 1),
-            [],
-            new,
-            job_leased_to(jobs, reserve_for),
-        )
-
-    total_cost = sum(float((r.metrics or {}).get("total_cost") or 0) for r in records)
-    total_tokens = sum(int((r.metrics or {}).get("total_tokens") or 0) for r in records)
-    last_group = [r for r in records if r.execution_group == max_group]
-    known = outputs or {}
-    missing = [r for r in last_group if r.stage_id not in known]
-    loaded = {**load_outputs(kernel.blobs, missing), **known} if missing else known
-    _, output = group_output(workflow, max_group, loaded)
-    duration = duration_ms(run.started_at, now)
-    update_run(
-        run_id,
-        now,
-        status=Status.COMPLETED,
-        completed_at=now,
-        duration_ms=duration,
-        output=output,
-        total_cost=total_cost,
-        total_tokens=total_tokens,
-    )
-    return Advance(
-        TransitionRunResult("completed"),
-        [
-            ev.event(
-                ev.WORKFLOW_COMPLETED,
-                run_id,
-                now,
-                duration_ms=duration,
-                output=output,
-                total_cost=total_cost,
-                total_tokens=total_tokens,
-            )
-        ],
-    )

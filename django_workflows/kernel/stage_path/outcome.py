@@ -1,0 +1,257 @@
+"""Step 3 of the stage path (:mod:`..delivery`): transaction 3 settles the job fenced by the
+delivery's token, writes the outcome (:mod:`.records`), transitions the run
+(:mod:`.transition`) and leases the run's next stage to the same worker; a delivery that lost
+its job is discarded, one whose run left RUNNING is a ghost.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from django.db import transaction
+
+from ...definition.stage import Stage
+from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
+from .. import timeouts
+from ..connections import retry_on_disconnect
+from ..executor import ExecutionOutcome
+from ..faults import fault_point
+from ..locking import lock_run
+from ..outbox import append_events
+from ..services import KernelStageServices
+from ..store import stages_of, write_log
+from . import Delivery, Discard, Outcome
+from .lease import _adopt_orphan, begin
+from .records import write_outcome
+from .transition import advance
+
+if TYPE_CHECKING:
+    from ..dispatch import Kernel
+
+logger = logging.getLogger("django_workflows.worker")
+
+
+def commit_outcome(
+    kernel: Kernel,
+    delivery: Delivery,
+    outcome: ExecutionOutcome,
+    services: KernelStageServices,
+    worker_id: str | None,
+    stop: threading.Event | None = None,
+    queues: frozenset[str] | None = None,
+) -> Outcome:
+    """Transaction 3: settle the job fenced by the delivery's token, write the outcome,
+    transition the run and (with ``worker_id``, unless ``stop`` is set by then) lease the
+    run's next stage to this worker if it serves that stage's queue (``queues``; ``None``:
+    all).
+    """
+    d = delivery
+    retries: list[BaseException] = []
+    try:
+        return retry_on_disconnect(
+            lambda: _outcome_transaction(kernel, d, outcome, services, worker_id, stop, queues),
+            what=f"outcome of stage {d.node.stage.id} (job {d.job.pk}, attempt {d.job.attempt})",
+            on_retry=retries.append,
+        )
+    except Discard:
+        if retries:  # the connection died: maybe after our COMMIT reached the database
+            committed = _committed_before(d, outcome)
+            if committed is not None:
+                if committed.outcome == "completed" and worker_id is not None:
+                    committed.next = _adopt_continuation(kernel, d, worker_id)
+                logger.warning(
+                    "Stage %s delivery %s of job %s: its outcome had committed before the "
+                    "connection was lost (COMMIT acknowledgement lost)",
+                    d.node.stage.id,
+                    d.job.attempt,
+                    d.job.pk,
+                )
+                return committed
+        retry_on_disconnect(lambda: _log_discarded(kernel, d, outcome), what="discard log")
+        return Outcome("discarded", error=outcome.error)
+
+
+def _outcome_transaction(
+    kernel: Kernel,
+    d: Delivery,
+    outcome: ExecutionOutcome,
+    services: KernelStageServices,
+    worker_id: str | None,
+    stop: threading.Event | None,
+    queues: frozenset[str] | None = None,
+) -> Outcome:
+    """One try of transaction 3 (safe to run again: the fence makes a second commit of the
+    same outcome impossible). Raises :class:`Discard` when the token no longer owns the job.
+    """
+    job = d.job
+    with transaction.atomic():
+        run = lock_run(d.run.pk)
+        if run is None or run.status != Status.RUNNING:
+            status = run.status if run is not None else "DELETED"
+            error = f"Workflow run {d.run.pk} was {status} after stage execution; {_GHOST_SUFFIX}"
+            if kernel.queue.fail(job.pk, error, attempt=job.attempt) is None:
+                raise Discard()  # not ours any more either: a stale delivery
+            return Outcome("ghost", error=error)
+        now = kernel.clock.now()
+        result = _settle_job(kernel, job, outcome, d.node.stage)
+        if result is None:
+            raise Discard()
+        stage_result, events = write_outcome(
+            kernel, run, d.node, d.record, outcome, services, d.started_at, now
+        )
+        for warning in outcome.warnings:
+            write_log(now, "WARN", warning, run_id=run.pk, stage_pk=d.record.pk)
+        if stage_result.outcome == "failed":
+            write_log(
+                now,
+                "ERROR",
+                f"Stage {d.node.stage.id} failed: {stage_result.error}",
+                run_id=run.pk,
+                stage_pk=d.record.pk,
+            )
+        following: Delivery | None = None
+        if stage_result.outcome == "suspended" or result == Status.PENDING:
+            transaction.on_commit(kernel.transport.wake_ticker)
+        else:
+            stopping = stop is not None and stop.is_set()
+            reserve_for = None if stopping else worker_id
+            following = _transition(kernel, d, run, stage_result, events, now, reserve_for, queues)
+        append_events(events, d.causation_id, now)
+        fault_point("outcome.before_commit")
+    fault_point("outcome.after_commit")
+    return Outcome(
+        stage_result.outcome,
+        error=stage_result.error,
+        retrying=result == Status.PENDING,
+        next=following,
+    )
+
+
+_GHOST_SUFFIX = "the result was discarded (expected RUNNING)"
+
+
+def _adopt_continuation(kernel: Kernel, d: Delivery, worker_id: str) -> Delivery | None:
+    """The next stage that the lost-acknowledgement outcome leased to this worker, if any."""
+
+    def adopt() -> Delivery | None:
+        with transaction.atomic():
+            return _adopt_orphan(kernel, worker_id, run_id=d.run.pk)
+
+    return retry_on_disconnect(adopt, what="continuation after a lost acknowledgement")
+
+
+def _committed_before(d: Delivery, outcome: ExecutionOutcome) -> Outcome | None:
+    """After a retried outcome transaction found the job gone from its token: was it this
+    delivery's own earlier try that settled it (its COMMIT reached the database, the
+    acknowledgement did not)? Only then is the job still at this delivery's attempt, in the
+    status this outcome gives it, with the stage record showing this outcome. Two reads, on
+    this rare path only. The outcome's continuation (a next stage leased to this worker in
+    that commit), if any, is not resumed: its lease expires and it is delivered again.
+    """
+    job = WorkflowJob.objects.filter(pk=d.job.pk).values("status", "attempt", "last_error").first()
+    if job is None or job["attempt"] != d.job.attempt:
+        return None
+    if job["status"] == Status.FAILED and (job["last_error"] or "").endswith(_GHOST_SUFFIX):
+        return Outcome("ghost", error=job["last_error"])
+    record = WorkflowStage.objects.filter(pk=d.record.pk).values("status", "error_message").first()
+    if record is None:
+        return None
+    if outcome.error is not None:
+        mine = record["status"] == Status.FAILED and record["error_message"] == outcome.error
+        if mine and job["status"] in (Status.PENDING, Status.FAILED):
+            if job["last_error"] == outcome.error:
+                return Outcome(
+                    "failed", error=outcome.error, retrying=job["status"] == Status.PENDING
+                )
+        return None
+    if outcome.suspend is not None:
+        both = job["status"] == record["status"] == Status.SUSPENDED
+        return Outcome("suspended") if both else None
+    both = job["status"] == record["status"] == Status.COMPLETED
+    return Outcome("completed") if both else None
+
+
+def _settle_job(
+    kernel: Kernel, job: WorkflowJob, outcome: ExecutionOutcome, stage: Stage
+) -> str | None:
+    """The fence: move the job out of RUNNING only if it is still at this delivery's attempt.
+    Returns its new status, or ``None`` if the delivery no longer owns the job.
+
+    The one retry decision of the stage path: a failure is retried unless the outcome says it
+    is final (``retryable=False``: validation errors, :class:`StageFailed`) or the job's
+    deliveries are used up (``job.max_attempts``, the stage's ``retry=`` or the setting);
+    the back-off follows the stage's ``retry=`` policy, else the settings.
+    """
+    queue = kernel.queue
+    if outcome.error is not None:
+        retry = outcome.retryable is not False and job.attempt < job.max_attempts
+        return queue.fail(
+            job.pk,
+            outcome.error,
+            should_retry=retry,
+            attempt=job.attempt,
+            max_attempts=job.max_attempts,
+            policy=stage.retry,
+        )
+    if outcome.suspend is not None:
+        ok = queue.suspend(job.pk, outcome.suspend.next_poll_at, attempt=job.attempt)
+        return Status.SUSPENDED if ok else None
+    return Status.COMPLETED if queue.complete(job.pk, attempt=job.attempt) else None
+
+
+def _transition(
+    kernel: Kernel,
+    d: Delivery,
+    run: WorkflowRun,
+    stage_result: Any,
+    events: list[dict[str, Any]],
+    now: datetime,
+    worker_id: str | None,
+    queues: frozenset[str] | None = None,
+) -> Delivery | None:
+    """Advance the run in the outcome transaction; returns the next stage's delivery when the
+    transition leased one to ``worker_id`` (only a stage of one of its ``queues``).
+    """
+    d.record.status = Status.COMPLETED if stage_result.outcome == "completed" else Status.FAILED
+    d.record.error_message = stage_result.error
+    if len(d.workflow.stages_in_group(d.node.execution_group)) > 1:
+        records = stages_of(run.pk)  # siblings may have changed since the lease
+    else:
+        records = d.records  # a single-stage group: nothing else can have changed
+    outputs = dict(d.outputs)
+    if stage_result.outcome == "completed":
+        outputs[d.node.stage.id] = stage_result.output
+    step = advance(
+        kernel, d.workflow, run, records, now, outputs=outputs, reserve_for=worker_id, serves=queues
+    )
+    events += step.events
+    if step.reserved_job is None:
+        return None
+    return begin(
+        kernel, step.reserved_job, run, events, records=records + step.new_records, outputs=outputs
+    )
+
+
+def _log_discarded(kernel: Kernel, d: Delivery, outcome: ExecutionOutcome) -> None:
+    what = "failure" if outcome.error is not None else "result"
+    message = (
+        f"Stage {d.node.stage.id} delivery {d.job.attempt} of job {d.job.pk}: its lease was "
+        f"taken over before it finished; its {what} was discarded"
+    )
+    if timeouts.is_timeout_error(outcome.error):
+        message = (
+            f"Stage {d.node.stage.id} delivery {d.job.attempt} of job {d.job.pk} returned after "
+            "its timeout had been committed (or its lease was taken over); its late result "
+            "was discarded"
+        )
+    logger.warning(message)
+    write_log(
+        kernel.clock.now(),
+        "WARN",
+        message,
+        run_id=d.run.pk,
+        metadata={"job_id": d.job.pk, "attempt": d.job.attempt, "stage_id": d.node.stage.id},
+    )
