@@ -1,30 +1,37 @@
 """One delivery of a job, from lease to commit: the path every stage takes (SPEC §4.6, §7.2).
 
-A worker runs this story in a loop (:func:`work`):
+A worker runs this story in a loop (:func:`work`, here); each step is a module of
+:mod:`.stage_path`:
 
-1. **Lease** (one transaction, only when the worker holds no job yet): lock the next ready
-   job (``SKIP LOCKED``; highest priority, then oldest run first), or else claim a PENDING run
-   and insert its first job already leased to this worker; stamp the lease with the database's
-   clock (:mod:`.leases`); lock the run and check it is RUNNING (the RUNNING guard); mark the
-   stage record RUNNING and append ``stage:started``. Once committed, the job belongs to this
+1. **Lease** (:mod:`.stage_path.lease`; one transaction, only when the worker holds no job yet):
+   lock the next ready job (``SKIP LOCKED``; highest priority, then oldest run first), or else claim
+   a PENDING run and insert its first job already leased to this worker; stamp the lease with the
+   database's clock (:mod:`.leases`); lock the run and check it is RUNNING (the RUNNING guard); mark
+   the stage record RUNNING and append ``stage:started``. Once committed, the job belongs to this
    delivery, identified by its token: the job id and the ``attempt`` it was leased with.
-2. **Execute** (no transaction): run the stage body while a heartbeat refreshes the lease,
-   fenced by the token (a heartbeat that finds the token gone tells the stage, through
+2. **Execute** (:mod:`.stage_path.execute`; no transaction): run the stage body
+   (:func:`.stage_path.records.run_stage`) while the heartbeat (:mod:`.heartbeat`) refreshes the
+   lease, fenced by the token (a heartbeat that finds the token gone tells the stage, through
    ``ctx.is_cancelled()``, that its result will be discarded). A stage with a timeout
    (:mod:`.timeouts`) is watched by the same heartbeat thread: past the deadline
    ``ctx.is_cancelled()`` turns true and the outcome becomes a ``StageTimeout`` failure; a body
-   still running after the grace has that failure committed for it through step 3 (fenced)
-   and its worker process recycled.
-3. **Outcome** (one transaction): lock the run (RUNNING guard), settle the job *fenced by the
-   token* (``UPDATE ... WHERE id = ? AND status = RUNNING AND attempt = ?``), write the
-   outcome (stage record, output blob, annotations, logs, events), transition the run (the
-   next group's stage records and jobs; the first new job is leased to this worker at once,
-   its stage marked RUNNING), and append every event with gap-free sequences. Either all of
-   it commits or none of it: a stage can no longer be COMPLETED without its transition.
+   still running after the grace has that failure committed for it through step 3 (fenced) and its
+   worker process recycled.
+3. **Outcome** (:mod:`.stage_path.outcome`; one transaction): lock the run (RUNNING guard), settle
+   the job *fenced by the token* (``UPDATE ... WHERE id = ? AND status = RUNNING AND attempt = ?``),
+   write the outcome (:func:`.stage_path.records.write_outcome`: stage record, output blob,
+   annotations, logs, events), transition the run (:func:`.stage_path.transition.advance`: the next
+   group's stage records and jobs; the first new job is leased to this worker at once, its stage
+   marked RUNNING), and append every event with gap-free sequences. Either all of it commits or none
+   of it: a stage can no longer be COMPLETED without its transition. The delivery's events, from
+   ``stage:started`` to its outcome's, carry one causation id (SPEC K-5, K-JE-2); the next stage
+   leased in the same commit is a delivery of its own.
 
    A delivery whose lease was taken over (paused past its lease, a skewed clock, a lost
    connection) matches no row: the transaction rolls back and the result is discarded like a
-   ghost - no record, output or event changes, only a WARN log line. A run that left RUNNING
+   ghost - no record, output or event changes, only a WARN log line. A rerun takes back the
+   jobs of the old generation still out, a live lease included (``run.rerunFrom``), so a late
+   outcome of the old generation is discarded the same way. A run that left RUNNING
    (cancelled) makes the result a ghost: only the job is failed, without retry.
 4. If step 3 leased the next stage, go to 2 with it; otherwise to 1.
 
@@ -35,8 +42,8 @@ are run again on a new connection (:func:`.connections.retry_on_disconnect`, for
 is fenced by the token; a retried outcome that finds the job already settled at its own
 attempt by this very outcome (its COMMIT reached the database, the acknowledgement did not) is
 reported committed, not discarded, and a job that a lost commit leased to this worker is
-taken back (:func:`_adopt_orphan`). A connection kill so costs one retried write, not a
-delivery.
+taken back (:func:`.stage_path.lease._adopt_orphan`). A connection kill so costs one retried
+write, not a delivery.
 
 So a trivial stage that continues its run costs one transaction. Crash windows: before a
 lease commits nothing happened; after it the job is RUNNING and its lease expires, so

@@ -40,6 +40,8 @@ from .connections import retry_on_disconnect
 from .delivery import Heartbeat as Heartbeat
 from .dispatch import Kernel
 from .flusher import flush_outbox
+from .leases import LeaseKeeper as LeaseKeeper
+from .leases import lease_heartbeat_seconds as lease_heartbeat_seconds
 from .locking import lock_run
 from .outbox import append_events, new_causation_id
 
@@ -170,67 +172,6 @@ def maintenance_lease_seconds() -> float:
     from .supervisor import ticker_lease_seconds
 
     return ticker_lease_seconds()
-
-
-def lease_heartbeat_seconds(ttl_seconds: float) -> float:
-    """How often a held maintenance lease is refreshed: ``HEARTBEAT_INTERVAL_SECONDS``, at most
-    a third of the lease's TTL.
-    """
-    return min(float(workflow_settings.HEARTBEAT_INTERVAL_SECONDS), ttl_seconds / 3)
-
-
-class LeaseKeeper:
-    """Refreshes a held maintenance lease every ``interval_seconds`` in a background thread
-    (the H-2 heartbeat, applied to the tick and ticker leases).
-
-    A lease's TTL can therefore be short: a holder that works longer than the TTL keeps its
-    lease, and a holder that dies (SIGKILL, lost machine) is noticed once ``ttl_seconds`` have
-    passed without a refresh. Refresh errors are logged and the thread's connection is closed
-    (the next refresh reconnects); the thread stops once the lease is no longer the owner's.
-    """
-
-    def __init__(
-        self, kernel: Kernel, name: str, owner: str, ttl_seconds: float, interval_seconds: float
-    ) -> None:
-        self.kernel = kernel
-        self.name = name
-        self.owner = owner
-        self.ttl = ttl_seconds
-        self.interval = interval_seconds
-        #: Set once a refresh found the lease taken over (the holder must stop its work).
-        self.lost = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"lease-{name}", daemon=True)
-
-    def beat(self) -> bool:
-        """Refresh the lease now; ``False`` (and :attr:`lost` true) if it is no longer the
-        owner's.
-        """
-        if renew_lease(self.kernel, self.name, self.owner, self.ttl):
-            return True
-        self.lost = True
-        return False
-
-    def _loop(self) -> None:
-        try:
-            while not self._stop.wait(self.interval):
-                try:
-                    if not self.beat():
-                        return
-                except Exception:
-                    # Never reuse a connection that failed: the next beat opens a new one.
-                    logger.exception("Refreshing the %s lease failed", self.name)
-                    connection.close()
-        finally:
-            connection.close()
-
-    def __enter__(self) -> LeaseKeeper:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def lease_is_free(kernel: Kernel, name: str) -> bool:

@@ -8,20 +8,30 @@ declares ``drives_leases = True`` (:class:`~django_workflows.testing.FakeClock`)
 instead, so tests can move lease time by hand.
 
 Named leases (``workflow_maintenance_leases``) keep maintenance ticks, the ticker and the
-outbox flusher from overlapping (Part I item 18).
+outbox flusher from overlapping (Part I item 18): :func:`acquire_lease`, :func:`renew_lease`,
+:func:`release_lease`, :func:`lease_is_free`, and :class:`LeaseKeeper`, the thread that keeps
+a held one fresh.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
+from ..conf import workflow_settings
 from ..models import MaintenanceLease
 from ..ports import Clock
+
+if TYPE_CHECKING:
+    from .dispatch import Kernel
+
+logger = logging.getLogger("django_workflows.worker")
 
 #: A moment in lease time: a datetime (test clocks) or a database expression (``Now()``).
 LeaseTime = Any
@@ -99,3 +109,64 @@ def release_lease(name: str, owner: str) -> None:
 def lease_is_free(lease_clock: LeaseClock, name: str) -> bool:
     """Whether nobody holds an unexpired lease ``name``."""
     return not MaintenanceLease.objects.filter(name=name, expires_at__gt=lease_clock.now()).exists()
+
+
+def lease_heartbeat_seconds(ttl_seconds: float) -> float:
+    """How often a held maintenance lease is refreshed: ``HEARTBEAT_INTERVAL_SECONDS``, at most
+    a third of the lease's TTL.
+    """
+    return min(float(workflow_settings.HEARTBEAT_INTERVAL_SECONDS), ttl_seconds / 3)
+
+
+class LeaseKeeper:
+    """Refreshes a held maintenance lease every ``interval_seconds`` in a background thread
+    (the H-2 heartbeat, applied to the tick and ticker leases).
+
+    A lease's TTL can therefore be short: a holder that works longer than the TTL keeps its
+    lease, and a holder that dies (SIGKILL, lost machine) is noticed once ``ttl_seconds`` have
+    passed without a refresh. Refresh errors are logged and the thread's connection is closed
+    (the next refresh reconnects); the thread stops once the lease is no longer the owner's.
+    """
+
+    def __init__(
+        self, kernel: Kernel, name: str, owner: str, ttl_seconds: float, interval_seconds: float
+    ) -> None:
+        self.kernel = kernel
+        self.name = name
+        self.owner = owner
+        self.ttl = ttl_seconds
+        self.interval = interval_seconds
+        #: Set once a refresh found the lease taken over (the holder must stop its work).
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"lease-{name}", daemon=True)
+
+    def beat(self) -> bool:
+        """Refresh the lease now; ``False`` (and :attr:`lost` true) if it is no longer the
+        owner's.
+        """
+        if renew_lease(self.kernel.lease_clock, self.name, self.owner, self.ttl):
+            return True
+        self.lost = True
+        return False
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.wait(self.interval):
+                try:
+                    if not self.beat():
+                        return
+                except Exception:
+                    # Never reuse a connection that failed: the next beat opens a new one.
+                    logger.exception("Refreshing the %s lease failed", self.name)
+                    connection.close()
+        finally:
+            connection.close()
+
+    def __enter__(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -16,7 +16,7 @@ import pytest
 from django.db import OperationalError, connection
 from django.test.utils import CaptureQueriesContext
 
-from django_workflows.kernel import ClaimPendingRuns, CreateRun, Kernel, delivery, hosting
+from django_workflows.kernel import ClaimPendingRuns, CreateRun, Kernel, delivery, leases
 from django_workflows.kernel import supervisor as supervisor_module
 from django_workflows.kernel.hosting import LeaseKeeper
 from django_workflows.kernel.stage_path import execute as stage_execute
@@ -387,7 +387,7 @@ def test_the_lease_keeper_survives_a_failed_refresh(
     """
     kernel = kernel_for(two_stage())
     fake = _Connection()
-    monkeypatch.setattr(hosting, "connection", fake)
+    monkeypatch.setattr(leases, "connection", fake)
     results: list[Any] = [OperationalError("server closed the connection"), True, False]
 
     def renew(*args: Any) -> bool:
@@ -396,7 +396,7 @@ def test_the_lease_keeper_survives_a_failed_refresh(
             raise value
         return bool(value)
 
-    monkeypatch.setattr(hosting, "renew_lease", renew)
+    monkeypatch.setattr(leases, "renew_lease", renew)
     keeper = LeaseKeeper(kernel, "maintenance-tick", "k", 3, 0.001)
     keeper._loop()  # returns once a refresh found the lease gone
     assert results == [] and keeper.lost is True
