@@ -173,8 +173,7 @@ workflow_settings = WorkflowSettings()
 
 @receiver(setting_changed)
 def _reload_settings(*, setting: str, **kwargs: Any) -> None:
+    # The default kernel, built from these settings, is reset by its own receiver
+    # (:mod:`django_workflows.kernel.runtime`): this module imports nothing of the kernel.
     if setting == "DJANGO_WORKFLOWS":
         workflow_settings.reload()
-        from django_workflows.kernel import runtime
-
-        runtime.reset_default_kernel()

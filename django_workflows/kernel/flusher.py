@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from django.db import close_old_connections, connection
 
 from ..models import OutboxEvent
-from . import leases
+from . import leases, outbox
 from .commands import FlushOutbox
 
 if TYPE_CHECKING:
@@ -146,3 +146,6 @@ def events_committed() -> None:
     """``transaction.on_commit`` hook of every append: wake this process's flusher, if any."""
     if _flusher is not None:
         _flusher.notify()
+
+
+outbox.committed_hooks.append(events_committed)

@@ -5,7 +5,7 @@ produced them; sequences are gap-free per run.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any
 
@@ -111,7 +111,11 @@ def append_events(events: Iterable[dict[str, Any]], causation_id: str, now: date
     return len(new)
 
 
-def _events_committed() -> None:
-    from .flusher import events_committed
+#: Called after every commit that appended events (:mod:`.flusher` adds the wake-up of this
+#: process's flusher when it is imported; the outbox imports nothing that flushes).
+committed_hooks: list[Callable[[], None]] = []
 
-    events_committed()
+
+def _events_committed() -> None:
+    for hook in committed_hooks:
+        hook()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 from django.utils.module_loading import import_string
 
 from ..conf import workflow_settings
@@ -45,3 +48,13 @@ def get_kernel() -> Kernel:
 def reset_default_kernel() -> None:
     global _kernel
     _kernel = None
+
+
+@receiver(setting_changed)
+def _reset_on_settings_change(*, setting: str, **kwargs: Any) -> None:
+    """``DJANGO_WORKFLOWS`` changed (a test's ``settings`` fixture): the next
+    :func:`get_kernel` builds a kernel from the new settings. Connected after
+    :mod:`django_workflows.conf`'s receiver (this module imports it), so settings reload first.
+    """
+    if setting == "DJANGO_WORKFLOWS":
+        reset_default_kernel()
