@@ -7,7 +7,9 @@ Builds the graph of intra-package imports with :mod:`ast` twice - top-level impo
 (module-level statements, including ``if``/``try`` blocks but not ``if TYPE_CHECKING:``), and
 all imports including those inside functions - and prints, for each, the number of
 strongly connected components with more than one module and their sizes (Tarjan's algorithm).
-``--verbose`` lists the modules of each component. Exit status 0 always (a measuring tool).
+``--verbose`` lists the modules of each component. ``--coarse`` also counts ``from pkg import
+sub`` as an edge to ``pkg`` (its ``__init__`` runs first; this lumps a package's modules with
+its ``__init__``). Exit status 0 always (a measuring tool).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def _imports(tree: ast.Module, *, nested: bool) -> list[ast.Import | ast.ImportF
     return found
 
 
-def graph(root: Path, *, nested: bool) -> dict[str, set[str]]:
+def graph(root: Path, *, nested: bool, coarse: bool = False) -> dict[str, set[str]]:
     modules = {module_name(root, p): p for p in root.rglob("*.py")}
     edges: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
@@ -81,6 +83,8 @@ def graph(root: Path, *, nested: bool) -> dict[str, set[str]]:
                     f"{full}.{a.name}" if f"{full}.{a.name}" in modules else full
                     for a in node.names
                 ]
+                if coarse:  # the package's __init__ runs first: an edge to it as well
+                    targets.append(full)
             for t in targets:
                 while t and t not in modules:
                     t = t.rpartition(".")[0]
@@ -129,9 +133,10 @@ def components(edges: dict[str, set[str]]) -> list[list[str]]:
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("-")]
     verbose = "--verbose" in sys.argv
+    coarse = "--coarse" in sys.argv
     root = Path(args[0] if args else "django_workflows").resolve()
     for label, nested in (("top-level imports", False), ("all imports", True)):
-        comps = components(graph(root, nested=nested))
+        comps = components(graph(root, nested=nested, coarse=coarse))
         sizes = [len(c) for c in comps]
         print(f"{label}: {len(comps)} circles, sizes {sizes}, {sum(sizes)} modules")
         if verbose:

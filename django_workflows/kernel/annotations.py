@@ -31,6 +31,7 @@ from ..annotations import (
 )
 from ..definition.results import UNSET
 from ..models import WorkflowAnnotation, WorkflowRun, WorkflowStage
+from .annotation_spec import AnnotationSpec
 from .errors import InvalidCommandError, RunNotFoundError, StageNotFoundError
 from .locking import lock_run, parse_run_id
 from .outbox import append_events, new_causation_id
@@ -165,8 +166,6 @@ def inputs_from_specs(specs: Any) -> list[AnnotationInput]:
         InvalidCommandError: ``field`` names the entry and member, e.g.
             ``annotations[1].attributes.trigger.source``.
     """
-    from .commands import AnnotationSpec
-
     if specs is None:
         return []
     if isinstance(specs, str | bytes | Mapping) or not isinstance(specs, Sequence):

@@ -15,6 +15,8 @@ from typing import Any, ClassVar, Literal
 
 from django.utils.dateparse import parse_datetime
 
+from .annotation_spec import AnnotationSpec as AnnotationSpec
+
 
 class Result:
     """Base of command results: JSON-able for the idempotency cache (K-10, K-14).
@@ -43,26 +45,6 @@ class Result:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Any:
         return cls(**data)
-
-
-@dataclass(frozen=True)
-class AnnotationSpec:
-    """Annotations attached at run creation (AN-20): ``attributes`` share the envelope.
-
-    Attributes:
-        attributes: ``{key: value}``; keys are strings or typed keys (``{Trigger.source:
-            "zendesk"}``, values type-checked); ``None`` values are dropped (AN-5).
-        actor: ``{"kind", "id", "version"}`` (any subset).
-        payload: a JSON value kept with every row (not queryable).
-        idempotency_key: dedupe key per ``(run, key)`` (AN-8).
-        emit_event: one ``annotation:created`` event per inserted row (AN-40).
-    """
-
-    attributes: Mapping[Any, Any]
-    actor: dict[str, str | None] | None = None
-    payload: Any = None
-    idempotency_key: str | None = None
-    emit_event: bool = False
 
 
 # --- run.create (K-CR) ------------------------------------------------------------------------
