@@ -29,7 +29,6 @@ from django_workflows.kernel import (
     IdempotencyInProgressError,
     Kernel,
     TransitionRun,
-    delivery,
     hosting,
 )
 from django_workflows.kernel import events as ev
@@ -43,6 +42,7 @@ from django_workflows.kernel.handlers import (
 from django_workflows.kernel.hosting import execute_job
 from django_workflows.kernel.outbox import append_events
 from django_workflows.kernel.queue import JobSpec
+from django_workflows.kernel.stage_path import outcome as stage_outcome
 from django_workflows.models import (
     OutboxEvent,
     Status,
@@ -197,9 +197,9 @@ class _RaceHooks:
         self._require_running = run_cancel.lock_run
         self._lock_run = run_cancel.lock_run
         # The stage path's two RUNNING guards: the run lock before the stage starts (phase 1,
-        # in hosting.execute_job) and the outcome transaction's (phase 3, in the delivery).
+        # in hosting.execute_job) and the outcome transaction's (phase 3, stage_path.outcome).
         monkeypatch.setattr(hosting, "lock_run", self.require_running)
-        monkeypatch.setattr(delivery, "lock_run", self.require_running)
+        monkeypatch.setattr(stage_outcome, "lock_run", self.require_running)
         monkeypatch.setattr(run_cancel, "lock_run", self.cancel_lock_run)
 
     def require_running(self, run_id: uuid.UUID) -> WorkflowRun:
