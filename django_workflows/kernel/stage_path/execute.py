@@ -32,7 +32,7 @@ def execute(kernel: Kernel, delivery: Delivery) -> tuple[ExecutionOutcome, Kerne
 
     A stage stopped by django-q2's ``timeout`` (its ``TimeoutException``, a ``SystemExit``
     raised by SIGALRM) becomes a failed outcome naming that timeout, with the exception kept
-    in ``outcome.stopped`` so :func:`deliver` re-raises it once the outcome committed.
+    in ``outcome.stopped`` so :func:`..delivery.deliver` re-raises it once the outcome committed.
 
     A stage with a timeout (:func:`.timeouts.stage_timeout_seconds`) is watched by the
     heartbeat (:meth:`Heartbeat.watch`): a delivery that passed its deadline returns the
