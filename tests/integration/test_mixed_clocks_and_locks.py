@@ -131,7 +131,7 @@ def lock_timeout() -> Iterator[None]:
         cursor.execute("SET lock_timeout = '2s'")
     yield
     with connection.cursor() as cursor:
-        cursor.execute("SET lock_timeout = 0")
+        cursor.execute("RESET lock_timeout")
 
 
 @postgres_only
@@ -186,3 +186,25 @@ def _batch_workflow() -> Any:
     from tests.workflows import Num
 
     return define_workflow(id="batchy", input=Num).pipe(async_stage()).build()
+
+
+def test_w012_warns_about_an_unbounded_postgresql_session() -> None:
+    """Issue 17: system check W012 names the session bounds a PostgreSQL database lacks, and
+    is quiet when ``OPTIONS`` set them (SQLite is never checked)."""
+    from django_workflows.checks import check_session_bounds
+
+    bare = {"ENGINE": "django.db.backends.postgresql", "OPTIONS": {}}
+    (warning,) = check_session_bounds("default", bare)
+    assert warning.id == "django_workflows.W012"
+    assert "idle_in_transaction_session_timeout, tcp_user_timeout, keepalives" in warning.msg
+    partial = {"OPTIONS": {"options": "-c idle_in_transaction_session_timeout=30s"}}
+    (warning,) = check_session_bounds("other", partial)
+    assert "DATABASES['other']" in warning.msg and "idle_in" not in warning.msg.split(":")[1]
+    bounded = {
+        "OPTIONS": {
+            "options": "-c idle_in_transaction_session_timeout=30s",
+            "keepalives": 1,
+            "tcp_user_timeout": 30000,
+        }
+    }
+    assert check_session_bounds("default", bounded) == []

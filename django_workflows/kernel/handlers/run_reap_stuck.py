@@ -48,9 +48,7 @@ def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
     # ``locked_at`` is lease time (the database's clock, stamped by the heartbeats of another
     # host): judge it in lease time, never with this host's clock (issue 17: a reaper 90 s
     # ahead saw every heartbeated lease as stale and failed long stages as stuck).
-    lease_fresh_after = kernel.lease_clock.offset(
-        -float(workflow_settings.STALE_LEASE_SECONDS)
-    )
+    lease_fresh_after = kernel.lease_clock.offset(-float(workflow_settings.STALE_LEASE_SECONDS))
     run_ref = OuterRef("pk")
     candidates = list(
         WorkflowRun.objects.filter(status=Status.RUNNING, updated_at__lte=since)
