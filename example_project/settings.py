@@ -186,6 +186,11 @@ DJANGO_WORKFLOWS = {
         else None
     ),
     "MAX_ATTEMPTS": int(os.environ.get("WORKFLOWS_MAX_ATTEMPTS", "3")),
+    "STUCK_THRESHOLD_SECONDS": (
+        float(os.environ["WORKFLOWS_STUCK_THRESHOLD"])
+        if os.environ.get("WORKFLOWS_STUCK_THRESHOLD")
+        else None
+    ),
     "RETRY_BACKOFF_BASE_SECONDS": float(os.environ.get("WORKFLOWS_RETRY_BACKOFF_BASE", "2")),
     # Accepted but no longer used (the ticker runs in the supervisor threads); older tests
     # set it below Q_TIMEOUT.

@@ -626,7 +626,15 @@ def test_i_host_cut_inside_a_transaction_never_stops_the_others_ticks(scenario: 
         )
         return int(rows[0][0]) if rows else -1
 
-    wait_for(lambda: poll_version() > 2, timeout=60)
+    try:
+        wait_for(lambda: poll_version() > 2, timeout=60)
+    except TimeoutError:
+        stages = sc.sql(
+            "SELECT stage_id, status, version, next_poll_at FROM workflow_stages "
+            "WHERE run_id::text = %s",
+            poller,
+        )
+        pytest.fail(f"the poller was never polled: {stages}\n{sc.host_logs()}")
     holder, out = _start_in(sc, victim, HOLD_LOCKS.format(run_id=run_id), "holder")
     try:
         wait_for(lambda: "held" in out.read_text(), timeout=60)

@@ -74,11 +74,15 @@ def _leased_run(kernel: Kernel, workflow_id: str = "two-stage") -> tuple[uuid.UU
 
 def test_a_reaper_ahead_of_the_database_spares_a_heartbeated_run() -> None:
     """Issue 17: the stuck-run reaper judges ``locked_at`` (database time) in database time. A
-    reaper 90 s ahead, with a 60 s stuck threshold and a 30 s lease, sees the run idle for
-    90 s, but its job's lease was refreshed just now: not stuck, not released. Once the
+    reaper 90 s ahead, with a 60 s stuck threshold and a 30 s lease, finds the run idle for
+    61 s, but its job's lease was refreshed just now: not stuck, not released. Once the
     lease is really stale (31 s old in database time) the same reaper fails the run."""
     worker, reaper = _kernels(two_stage())
     run_id, job_id = _leased_run(worker)
+    # The stage started 61 s ago (database time): run and stage rows idle past the threshold.
+    idle_since = _database_now() - timedelta(seconds=61)
+    WorkflowRun.objects.filter(pk=run_id).update(updated_at=idle_since)
+    WorkflowStage.objects.filter(run_id=run_id).update(updated_at=idle_since)
 
     assert reaper.dispatch(ReapStuckRuns(stuck_threshold_seconds=60)).failed == 0
     assert reaper.dispatch(ReapStaleLeases(stale_threshold_seconds=STALE)).released == 0
@@ -92,6 +96,22 @@ def test_a_reaper_ahead_of_the_database_spares_a_heartbeated_run() -> None:
     WorkflowJob.objects.filter(pk=job_id).update(max_attempts=1)  # no re-delivery left
     assert reaper.dispatch(ReapStuckRuns(stuck_threshold_seconds=60)).failed == 1
     assert WorkflowRun.objects.get(pk=run_id).output["error"]["code"] == "STUCK_RUN_REAPED"
+
+
+def test_a_reaper_ahead_of_the_database_does_not_add_its_skew_to_idle_time() -> None:
+    """Issue 17: a run whose worker died 31 s ago (database time; lease stale) and that has
+    been idle for 30 s is not stuck under a 60 s threshold, though the reaper's own clock runs
+    90 s ahead (to it the run looks idle for 120 s); idle for 61 s, it is."""
+    worker, reaper = _kernels(two_stage())
+    run_id, job_id = _leased_run(worker)
+    now = _database_now()
+    WorkflowJob.objects.filter(pk=job_id).update(
+        locked_at=now - timedelta(seconds=STALE + 1), max_attempts=1
+    )
+    for idle, reaped in ((30, 0), (61, 1)):
+        WorkflowRun.objects.filter(pk=run_id).update(updated_at=now - timedelta(seconds=idle))
+        WorkflowStage.objects.filter(run_id=run_id).update(updated_at=now - timedelta(seconds=idle))
+        assert reaper.dispatch(ReapStuckRuns(stuck_threshold_seconds=60)).failed == reaped, idle
 
 
 @contextmanager

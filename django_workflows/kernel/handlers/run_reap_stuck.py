@@ -44,7 +44,11 @@ if TYPE_CHECKING:
 
 def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
     now = kernel.clock.now()
-    since = now - timedelta(seconds=cmd.stuck_threshold_seconds)
+    # Staleness is judged in database time (issue 17): a reaper whose clock runs ahead must not
+    # see every run as idle for longer than it is. (With a test clock that drives leases this
+    # is that clock; rows the reaper writes keep the kernel clock's time.)
+    judged_at = kernel.lease_clock.read()
+    since = judged_at - timedelta(seconds=cmd.stuck_threshold_seconds)
     # ``locked_at`` is lease time (the database's clock, stamped by the heartbeats of another
     # host): judge it in lease time, never with this host's clock (issue 17: a reaper 90 s
     # ahead saw every heartbeated lease as stale and failed long stages as stuck).
@@ -67,7 +71,7 @@ def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
         .exclude(
             Exists(
                 WorkflowStage.objects.filter(run=run_ref, status=Status.SUSPENDED).filter(
-                    Q(next_poll_at__gt=now) | Q(max_wait_until__gt=now)
+                    Q(next_poll_at__gt=judged_at) | Q(max_wait_until__gt=judged_at)
                 )
             )
         )

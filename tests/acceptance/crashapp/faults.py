@@ -282,7 +282,10 @@ class Polled(BaseModel):
 def _poller_wait(ctx: StageContext[PollerInput, Any]) -> Any:
     from django_workflows import Suspend
 
-    return Suspend(state={"label": ctx.input.label}, poll_interval_seconds=0.2)
+    return Suspend(
+        state={"batch_id": f"poll-{ctx.workflow_run_id}", "label": ctx.input.label},
+        poll_interval_seconds=0.2,
+    )
 
 
 def _poller_ready(state: dict[str, Any], ctx: Any) -> Any:
