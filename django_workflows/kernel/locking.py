@@ -68,8 +68,9 @@ def lock_run(run_id: uuid.UUID) -> WorkflowRun | None:
     return found[0] if found else None
 
 
-class RunLocked(Exception):
-    """:func:`require_running` with ``wait=False``: another transaction holds the run row."""
+class _RunRowLocked(Exception):
+    """:func:`require_running` with ``wait=False``: another transaction holds the run row
+    (a kernel-internal signal, never raised to callers of the package)."""
 
 
 def require_running(run_id: uuid.UUID, *, wait: bool = True) -> WorkflowRun:
@@ -78,16 +79,16 @@ def require_running(run_id: uuid.UUID, *, wait: bool = True) -> WorkflowRun:
     Locks the run row and returns it if it is RUNNING; a cancel that committed first is seen
     here, and a cancel that comes later waits for this transaction. Must run inside
     ``transaction.atomic()``. ``wait=False`` (maintenance, issue 17): do not wait for a
-    transaction that holds the row (it may be a vanished host's), raise :class:`RunLocked`.
+    transaction that holds the row (it may be a vanished host's), raise :class:`_RunRowLocked`.
 
     Raises:
         RunNotRunningError: the run is not RUNNING (status ``DELETED`` when it vanished).
-        RunLocked: ``wait=False`` and another transaction holds the row.
+        _RunRowLocked: ``wait=False`` and another transaction holds the row.
     """
     assert transaction.get_connection().in_atomic_block, "require_running needs a transaction"
     found = lock_run(run_id) if wait else try_lock_run(run_id)
     if found is LOCKED:
-        raise RunLocked(run_id)
+        raise _RunRowLocked(run_id)
     run = found if isinstance(found, WorkflowRun) else None
     if run is None:
         raise RunNotRunningError(run_id, "DELETED")

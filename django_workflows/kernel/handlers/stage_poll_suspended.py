@@ -38,7 +38,7 @@ from ..commands import PollSuspendedStages, PollSuspendedStagesResult
 from ..errors import RunNotRunningError
 from ..executor import error_text
 from ..jsonvalue import storable_text
-from ..locking import RunLocked, require_running
+from ..locking import _RunRowLocked, require_running
 from ..outbox import append_events, new_causation_id
 from ..services import KernelStageServices
 from ..store import duration_ms, run_error, update_run, write_annotations
@@ -192,7 +192,7 @@ def _write(kernel: Kernel, record: WorkflowStage, apply: Any) -> str:
         return "cancelled"
     except _Stale:
         return "stale"
-    except RunLocked:
+    except _RunRowLocked:
         return "busy"
     except Exception as exc:  # K-PS-7: a failing branch is handled as an error outcome
         message = error_text(exc)
@@ -201,7 +201,7 @@ def _write(kernel: Kernel, record: WorkflowStage, apply: Any) -> str:
                 require_running(record.run_id, wait=False)
             except RunNotRunningError:
                 return "cancelled"
-            except RunLocked:
+            except _RunRowLocked:
                 return "busy"
             now = kernel.clock.now()
             events = []
