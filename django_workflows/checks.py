@@ -120,7 +120,46 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                         id="django_workflows.W002",
                     )
                 )
+        elif "postgresql" in db.get("ENGINE", ""):
+            messages += check_session_bounds(alias, db)
     return messages
+
+
+#: What :func:`check_session_bounds` looks for in a PostgreSQL database's ``OPTIONS``.
+SESSION_BOUNDS = (
+    "idle_in_transaction_session_timeout",
+    "tcp_user_timeout",
+    "keepalives",
+)
+
+
+def check_session_bounds(alias: str, db: dict[str, Any]) -> list[Any]:
+    """``W012`` (issue 17): a PostgreSQL database whose ``OPTIONS`` do not bound its sessions.
+
+    A host that vanishes inside a transaction (power loss, a network partition) leaves its
+    session "idle in transaction", holding run and job row locks, until PostgreSQL's TCP
+    notices - minutes to hours. ``idle_in_transaction_session_timeout`` (in ``OPTIONS
+    ["options"]``, or set for the role or server) ends it; the libpq ``keepalives`` and
+    ``tcp_user_timeout`` options make the workers notice a dead server or link. Only the
+    settings are read (no query): a bound set with ``ALTER ROLE ... SET`` is not seen, silence
+    the warning then (``SILENCED_SYSTEM_CHECKS``). Returns the warnings (a list).
+    """
+    options = db.get("OPTIONS") or {}
+    server = str(options.get("options") or "")
+    missing = [name for name in SESSION_BOUNDS[:1] if name not in server]
+    missing += [name for name in SESSION_BOUNDS[1:] if name not in options]
+    if not missing:
+        return []
+    return [
+        Warning(
+            f"DATABASES['{alias}'] (PostgreSQL) does not bound its sessions: "
+            f"{', '.join(missing)} missing from OPTIONS. A host lost inside a transaction "
+            "then keeps its row locks until PostgreSQL's TCP notices, and maintenance waits",
+            hint="See docs/howto/several-hosts.md, 'Bound every database session', for the "
+            "OPTIONS to use (or silence this if the role or server sets them)",
+            id="django_workflows.W012",
+        )
+    ]
 
 
 def check_routing() -> list[Any]:

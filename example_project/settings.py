@@ -66,6 +66,27 @@ TEMPLATES = [
 ]
 
 
+#: Bound every PostgreSQL session (docs/howto/several-hosts.md, "Bound every database
+#: session"; system check django_workflows.W012). A host lost inside a transaction would
+#: otherwise keep its row locks until PostgreSQL's TCP notices (minutes to hours):
+#: - idle_in_transaction_session_timeout: the server ends such a session (and its locks);
+#: - lock_timeout: no statement waits longer than this for a row lock (a backstop);
+#: - server-side TCP keepalives: the server notices a dead client of an idle session;
+#: - client keepalives and tcp_user_timeout (ms): a worker notices a dead server or link.
+SESSION_BOUNDS = {
+    "options": os.environ.get(
+        "WORKFLOWS_PG_SESSION_OPTIONS",
+        "-c idle_in_transaction_session_timeout=30s -c lock_timeout=60s"
+        " -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3",
+    ),
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30000,
+}
+
+
 def _database() -> dict:
     url = os.environ.get("DATABASE_URL", "")
     if url.startswith(("postgres://", "postgresql://")):
@@ -79,6 +100,7 @@ def _database() -> dict:
             "PORT": str(parts.port or 5432),
             # One connection per worker process, reused across django-q2 tasks (ARCH §5).
             "CONN_MAX_AGE": 60,
+            "OPTIONS": SESSION_BOUNDS,
             "TEST": {"NAME": os.environ.get("TEST_DATABASE_NAME", "test_django_workflows")},
         }
     if url and not url.startswith("sqlite"):
@@ -164,6 +186,11 @@ DJANGO_WORKFLOWS = {
         else None
     ),
     "MAX_ATTEMPTS": int(os.environ.get("WORKFLOWS_MAX_ATTEMPTS", "3")),
+    "STUCK_THRESHOLD_SECONDS": (
+        float(os.environ["WORKFLOWS_STUCK_THRESHOLD"])
+        if os.environ.get("WORKFLOWS_STUCK_THRESHOLD")
+        else None
+    ),
     "RETRY_BACKOFF_BASE_SECONDS": float(os.environ.get("WORKFLOWS_RETRY_BACKOFF_BASE", "2")),
     # Accepted but no longer used (the ticker runs in the supervisor threads); older tests
     # set it below Q_TIMEOUT.

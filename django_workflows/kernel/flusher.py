@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("django_workflows.outbox")
 
 FLUSH_LEASE = "outbox-flush"
-#: TTL of the flush lease; a flusher that dies holding it blocks others at most this long.
-FLUSH_LEASE_SECONDS = 30.0
 #: Events published per pass while the flusher holds the lease.
 FLUSH_BATCH = 500
 #: How long the flusher waits after a wake-up, so one pass covers a burst of commits (a
@@ -41,14 +39,38 @@ COALESCE_SECONDS = 0.1
 RETRY_SECONDS = 0.25
 
 
+def flush_lease_seconds() -> float:
+    """TTL of the ``outbox-flush`` lease, in seconds: the ticker lease's
+    (:func:`.supervisor.ticker_lease_seconds`: ``TICKER_LEASE_SECONDS``, at most
+    ``STALE_LEASE_SECONDS``). A flusher whose host died or was cut off holding it stops
+    blocking event delivery after this long; a live one refreshes it while it flushes.
+    """
+    from .supervisor import ticker_lease_seconds
+
+    return ticker_lease_seconds()
+
+
 def flush_outbox(kernel: Kernel, owner: str, *, max_events: int = FLUSH_BATCH) -> int | None:
     """Publish up to ``max_events`` events under the ``outbox-flush`` lease; returns how many
     were published, or ``None`` when another process holds the lease.
+
+    The lease lasts :func:`flush_lease_seconds` and is refreshed while the pass runs (a
+    :class:`.hosting.LeaseKeeper`; slow plugins may make a pass longer than the TTL), so a
+    partitioned or dead holder blocks the other processes' flushes at most that long
+    (issue 17; it was a fixed 30 s).
     """
-    if not leases.acquire_lease(kernel.lease_clock, FLUSH_LEASE, owner, FLUSH_LEASE_SECONDS):
+    from django.db import connection
+
+    from .hosting import LeaseKeeper, lease_heartbeat_seconds
+
+    ttl = flush_lease_seconds()
+    if not leases.acquire_lease(kernel.lease_clock, FLUSH_LEASE, owner, ttl):
         return None
     try:
-        return int(kernel.dispatch(FlushOutbox(max_events=max_events)).published)
+        if connection.in_atomic_block:  # nobody else sees the lease before the commit
+            return int(kernel.dispatch(FlushOutbox(max_events=max_events)).published)
+        with LeaseKeeper(kernel, FLUSH_LEASE, owner, ttl, lease_heartbeat_seconds(ttl)):
+            return int(kernel.dispatch(FlushOutbox(max_events=max_events)).published)
     finally:
         leases.release_lease(FLUSH_LEASE, owner)
 

@@ -68,18 +68,28 @@ def lock_run(run_id: uuid.UUID) -> WorkflowRun | None:
     return found[0] if found else None
 
 
-def require_running(run_id: uuid.UUID) -> WorkflowRun:
+class _RunRowLocked(Exception):
+    """:func:`require_running` with ``wait=False``: another transaction holds the run row
+    (a kernel-internal signal, never raised to callers of the package)."""
+
+
+def require_running(run_id: uuid.UUID, *, wait: bool = True) -> WorkflowRun:
     """The RUNNING guard (Part I item 1, K-JE-15, K-PS-5).
 
     Locks the run row and returns it if it is RUNNING; a cancel that committed first is seen
     here, and a cancel that comes later waits for this transaction. Must run inside
-    ``transaction.atomic()``.
+    ``transaction.atomic()``. ``wait=False`` (maintenance, issue 17): do not wait for a
+    transaction that holds the row (it may be a vanished host's), raise :class:`_RunRowLocked`.
 
     Raises:
         RunNotRunningError: the run is not RUNNING (status ``DELETED`` when it vanished).
+        _RunRowLocked: ``wait=False`` and another transaction holds the row.
     """
     assert transaction.get_connection().in_atomic_block, "require_running needs a transaction"
-    run = lock_run(run_id)
+    found = lock_run(run_id) if wait else try_lock_run(run_id)
+    if found is LOCKED:
+        raise _RunRowLocked(run_id)
+    run = found if isinstance(found, WorkflowRun) else None
     if run is None:
         raise RunNotRunningError(run_id, "DELETED")
     if run.status != Status.RUNNING:
@@ -182,6 +192,20 @@ def lock_exhausted_stale_jobs(cutoff: Any) -> list[WorkflowJob]:
         WorkflowJob.objects.select_for_update(skip_locked=True)
         .filter(status=Status.RUNNING, locked_at__lt=cutoff, attempt__gte=F("max_attempts"))
         .order_by("id")
+    )
+
+
+def lock_releasable_stale_jobs(cutoff: Any) -> list[int]:
+    """Lock RUNNING jobs whose lease is older than ``cutoff`` and that have deliveries left
+    (``attempt < max_attempts``); returns their ids. Rows locked elsewhere are skipped (a
+    vanished host's open transaction must not block the maintenance tick, issue 17). Needs a
+    transaction.
+    """
+    return list(
+        WorkflowJob.objects.select_for_update(skip_locked=True)
+        .filter(status=Status.RUNNING, locked_at__lt=cutoff, attempt__lt=F("max_attempts"))
+        .order_by("id")
+        .values_list("pk", flat=True)
     )
 
 

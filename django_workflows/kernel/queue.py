@@ -33,7 +33,12 @@ from ..models import Status, WorkflowJob
 from ..ports import Clock, JobTransport
 from . import rows
 from .leases import LeaseClock
-from .locking import VersionPairs, claim_next_job, lock_exhausted_stale_jobs
+from .locking import (
+    VersionPairs,
+    claim_next_job,
+    lock_exhausted_stale_jobs,
+    lock_releasable_stale_jobs,
+)
 
 #: ``on_exhausted(job, message) -> bool``: settle a job whose deliveries are used up; ``False``
 #: means "not now" (its run is locked by another transaction) and leaves the job as it is.
@@ -407,13 +412,22 @@ class JobQueue:
         """RUNNING jobs whose lease is older than the threshold go back to PENDING (DM-45).
 
         Only jobs with deliveries left (``attempt < max_attempts``) are released; the others
-        are for :meth:`give_up_stale` (Part I item 3). Returns the number released.
+        are for :meth:`give_up_stale` (Part I item 3). Rows another transaction holds are
+        skipped (``SKIP LOCKED``, issue 17): a host that vanished inside a transaction never
+        blocks the tick; its jobs are released by a later tick, once PostgreSQL ended its
+        session (``idle_in_transaction_session_timeout``, TCP keepalives). Returns the number
+        released.
         """
         now = self.clock.now()
         cutoff = self.lease_clock.offset(-threshold_seconds)
-        return WorkflowJob.objects.filter(
-            status=Status.RUNNING, locked_at__lt=cutoff, attempt__lt=F("max_attempts")
-        ).update(status=Status.PENDING, worker_id=None, locked_at=None, updated_at=now)
+        with transaction.atomic():
+            ids = lock_releasable_stale_jobs(cutoff)
+            if not ids:
+                return 0
+            # Re-checked: the rows are locked, so only a concurrent release could differ.
+            return WorkflowJob.objects.filter(
+                pk__in=ids, status=Status.RUNNING, locked_at__lt=cutoff
+            ).update(status=Status.PENDING, worker_id=None, locked_at=None, updated_at=now)
 
     def give_up_stale(self, threshold_seconds: float) -> int:
         """Give up RUNNING jobs whose lease is older than the threshold and whose deliveries are

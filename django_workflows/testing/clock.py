@@ -22,12 +22,16 @@ class FakeClock:
 
     It also drives lease time (``drives_leases``): leases are stamped and judged with this
     clock instead of the database's, so a test can expire a lease by advancing it.
+    ``FakeClock(start, drives_leases=False)`` leaves lease time to the database's clock, as in
+    production: a test then sees a kernel whose clock disagrees with the lease clock (a host
+    90 s ahead, issue 17).
     """
 
     drives_leases = True
 
-    def __init__(self, start: datetime | None = None) -> None:
+    def __init__(self, start: datetime | None = None, *, drives_leases: bool = True) -> None:
         self._now = _utc(start or datetime(2025, 1, 1, tzinfo=UTC))
+        self.drives_leases = drives_leases
 
     def now(self) -> datetime:
         """The current fake time, in UTC (the Clock port's promise)."""

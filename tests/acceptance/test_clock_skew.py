@@ -109,3 +109,52 @@ def test_skewed_clock_cluster_executes_each_stage_once(
         assert run["output"]["path"] == ["a", "b", "c", "d"], f"{rid}: {run['output']}"
     # Both clusters did work, so the skewed one's leases and ticks met the other's jobs.
     assert by_cluster["right"] > 0 and by_cluster["ahead"] > 0, context
+
+
+#: Long stages (issue 17): each longer than the lease, kept alive by heartbeats only.
+LONG_RUNS = 2
+LONG_STAGE_SECONDS = 12
+LONG_ENV = {
+    "EXTRA_INSTALLED_APPS": "tests.acceptance.crashapp",
+    "WORKFLOWS_STALE_LEASE_SECONDS": "10",
+    "WORKFLOWS_HEARTBEAT_SECONDS": "2",
+    "WORKFLOWS_STUCK_THRESHOLD": "15",
+    "WORKFLOWS_TICK_INTERVAL": "0.2",
+    "Q_WORKERS": "4",
+    "CRASH_STAGE_SECONDS": str(LONG_STAGE_SECONDS),
+}
+
+
+def test_a_reaper_90s_ahead_leaves_long_heartbeated_stages_alone(
+    project: Callable[..., dict[str, str]],
+    clusters: Callable[..., Cluster],
+    tmp_path: Path,
+) -> None:
+    """Issue 17: a cluster on the right time executes ``fault-pipeline`` runs whose stages last
+    12 s (a 10 s lease, 2 s heartbeats, a 15 s stuck threshold) and never ticks itself
+    (``SUPERVISOR_TICKS`` off); every maintenance tick comes from a tick loop whose clock runs
+    90 s ahead. To that reaper every run looks idle for 90 s and more, but its jobs' leases are
+    fresh in database time: no run is reaped, each stage runs once, every run completes.
+
+    On a reaper that judged ``locked_at`` (database time) with its own clock, every live lease
+    looked 90 s old and its first tick failed each run with ``STUCK_RUN_REAPED``.
+    """
+    crash_dir = tmp_path / "crash"
+    crash_dir.mkdir()
+    env = project(**LONG_ENV, CRASH_DIR=str(crash_dir))
+    clusters(dict(env, WORKFLOWS_SUPERVISOR_TICKS="0"))
+    skewed = dict(
+        env,
+        WORKFLOWS_CLOCK="tests.acceptance.crashapp.clocks.SkewedClock",
+        CRASH_CLOCK_OFFSET_SECONDS=str(CLOCK_OFFSET_SECONDS),
+    )
+    ticker = clusters(skewed, *tick_command(), log="ticker-ahead.log")
+
+    run_ids = create_runs(env, "fault-pipeline", [{"n": i} for i in range(LONG_RUNS)])
+    runs = settle_runs(env, run_ids, timeout=3 * LONG_STAGE_SECONDS + 60)
+    context = f"--- ticker ---\n{ticker.log()[-3000:]}"
+    statuses = Counter(r["status"] for r in runs.values())
+    print(f"runs {dict(statuses)}, {len(executions(crash_dir))} executions")
+    assert_runs_completed(runs, context)
+    assert_executed_once(crash_dir, runs, context)
+    assert_outcomes_once(runs, context)

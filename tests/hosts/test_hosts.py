@@ -527,3 +527,202 @@ def test_h_gpu_stage_waits_for_a_gpu_cluster_then_runs_only_there(scenario: Scen
     assert {tuple(c or ()) for c in clusters.values()} == {("workflows", "gpu", "workflows")}, (
         clusters
     )
+
+
+# --- (i) host cut inside a transaction -----------------------------------------------------------
+
+#: The bound under test: PostgreSQL ends a session idle inside a transaction after this long
+#: (``idle_in_transaction_session_timeout``, docs/howto/several-hosts.md). Longer than the lease
+#: here, so a tick that waited for the cut host's locks would show as a poll gap this long.
+IDLE_IN_TX_SECONDS = 20.0
+SESSION_ENV = {
+    "WORKFLOWS_PG_SESSION_OPTIONS": (
+        f"-c idle_in_transaction_session_timeout={int(IDLE_IN_TX_SECONDS)}s -c lock_timeout=60s"
+        " -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3"
+    )
+}
+#: How long (i) watches the polls after the cut.
+WATCH_SECONDS = IDLE_IN_TX_SECONDS + 10
+
+HOLD_LOCKS = """
+import sys, time
+from django.db import transaction
+from django_workflows.models import WorkflowJob, WorkflowRun
+with transaction.atomic():
+    list(WorkflowRun.objects.select_for_update().filter(pk="{run_id}"))
+    list(WorkflowJob.objects.select_for_update().filter(workflow_run_id="{run_id}"))
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+HOLD_FLUSH_LEASE = """
+import time
+from django_workflows.kernel.flusher import flush_outbox
+from django_workflows.kernel.runtime import get_kernel
+
+class Stuck:
+    max_retries = 3
+    def emit(self, event):
+        print("held", flush=True)
+        time.sleep(600)
+
+kernel = get_kernel()
+kernel.event_sink = Stuck()
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    flush_outbox(kernel, "cut-flusher")
+    time.sleep(0.01)
+"""
+
+
+def _start_in(sc: Scenario, host: Host, code: str, name: str) -> tuple[Any, Path]:
+    """``manage.py shell -c code`` in ``host``'s namespace (its own session); its output file."""
+    import subprocess
+    import sys
+
+    from tests.acceptance.harness import ROOT
+
+    out = sc.logs / f"{name}.out"
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", host.ns, sys.executable, "manage.py", "shell", "-c", code],
+        cwd=ROOT,
+        env=sc.host_env(**SESSION_ENV),
+        stdout=out.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    return proc, out
+
+
+def _stop(proc: Any) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+def test_i_host_cut_inside_a_transaction_never_stops_the_others_ticks(scenario: Scenario) -> None:
+    """A host's session holds a run's and its jobs' row locks in an open transaction when the
+    host's link is cut (its session stays "idle in transaction"). The other hosts go on
+    ticking: a ``poller`` run's suspended stage is polled throughout (maintenance skips the
+    locked rows instead of waiting for them); once PostgreSQL ends the session
+    (``idle_in_transaction_session_timeout``), the cut host's stage is re-delivered elsewhere
+    and its run completes."""
+    sc = scenario
+    sc.start(*sc.hosts, **SESSION_ENV)
+    (poller,) = create_runs(sc.env, "poller", [{"label": "p"}])
+    (run_id,) = create_runs(sc.env, "pause-pipeline", [{"late": "success"}])
+    blocked = sc.crash_dir / f"{run_id}.slow.blocked"
+    wait_for(blocked.exists, timeout=60)
+    victim = host_of_pid(sc, int(blocked.read_text()))
+
+    def poll_version() -> int:
+        rows = sc.sql(
+            "SELECT version FROM workflow_stages WHERE run_id::text = %s AND status = 'SUSPENDED'",
+            poller,
+        )
+        return int(rows[0][0]) if rows else -1
+
+    try:
+        wait_for(lambda: poll_version() > 2, timeout=60)
+    except TimeoutError:
+        stages = sc.sql(
+            "SELECT stage_id, status, version, next_poll_at FROM workflow_stages "
+            "WHERE run_id::text = %s",
+            poller,
+        )
+        pytest.fail(f"the poller was never polled: {stages}\n{sc.host_logs()}")
+    holder, out = _start_in(sc, victim, HOLD_LOCKS.format(run_id=run_id), "holder")
+    try:
+        wait_for(lambda: "held" in out.read_text(), timeout=60)
+        victim.cut()
+        cut_at = time.monotonic()
+        last_change, last_version, gap = cut_at, poll_version(), 0.0
+        redelivered_s = None
+        while time.monotonic() < cut_at + WATCH_SECONDS:
+            version = poll_version()
+            now = time.monotonic()
+            if version != last_version:
+                gap = max(gap, now - last_change)
+                last_change, last_version = now, version
+            if redelivered_s is None and len(entries(sc, run_id, "slow")) >= 2:
+                redelivered_s = now - cut_at
+            time.sleep(0.1)
+        gap = max(gap, time.monotonic() - last_change)
+        locks = sc.sql(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND state = "
+            "'idle in transaction'",
+            sc.dbname,
+        )
+    finally:
+        _stop(holder)
+    (sc.crash_dir / f"{poller}.wait.done").write_text("go")
+    if redelivered_s is None:
+        wait_for(lambda: len(entries(sc, run_id, "slow")) >= 2, timeout=60)
+        redelivered_s = time.monotonic() - cut_at
+    wait_for((sc.crash_dir / f"{run_id}.gate.blocked").exists, timeout=60)
+    (sc.crash_dir / f"{run_id}.gate.go").write_text("go")
+    victim.restore()
+    (sc.crash_dir / f"{run_id}.slow.resume").write_text("go")
+    runs = settle_runs(sc.env, [run_id, poller], timeout=SETTLE_SECONDS)
+    sc.report(
+        **summarize(runs, sc.crash_dir),
+        cut_host=victim.name,
+        longest_poll_gap_s=round(gap, 1),
+        cut_to_redelivery_s=round(redelivered_s, 1),
+        idle_in_transaction_left=locks[0][0],
+    )
+    check_runs(sc, runs)
+    # The others never waited for the locks: polls went on (a dead ticker is replaced within
+    # TICKER_LEASE_SECONDS, here the 5 s lease, + SUPERVISOR_INTERVAL_SECONDS 2 s).
+    assert gap < LEASE_SECONDS + 2 + 3, f"polls stopped for {gap:.1f} s\n{sc.host_logs()}"
+    # The cut host's stage: re-delivered once its session ended and its lease was stale.
+    assert redelivered_s <= IDLE_IN_TX_SECONDS + 5, (redelivered_s, sc.host_logs())
+
+
+# --- (j) host cut while holding the outbox-flush lease ------------------------------------------
+
+
+def test_j_host_cut_holding_the_flush_lease_delays_events_at_most_the_lease(
+    scenario: Scenario,
+) -> None:
+    """A flusher on one host holds the ``outbox-flush`` lease (its plugin hangs mid-pass) when
+    its link is cut: the other hosts' flushers take the lease once it expires
+    (``TICKER_LEASE_SECONDS``, at most ``STALE_LEASE_SECONDS``; it was a fixed 30 s), so the
+    events of a run created right after the cut reach the plugin within lease + 5 s."""
+    sc = scenario
+    plugin_env = {"WORKFLOWS_PLUGINS": "tests.acceptance.crashapp.plugins.recorder"}
+    h1, h2, victim = sc.hosts
+    sc.start(h1, h2, **plugin_env)
+    holder, out = _start_in(sc, victim, HOLD_FLUSH_LEASE, "flusher")
+    try:
+
+        def held() -> bool:
+            if "held" in out.read_text():
+                return True
+            create_runs(sc.env, "fault-pipeline", [{"n": 0}])  # events to flush
+            return False
+
+        wait_for(held, timeout=60, interval=0.2)
+        victim.cut()
+        cut_at = time.time()
+        (run_id,) = create_runs(sc.env, "fault-pipeline", [{"n": 1}])
+        events = sc.crash_dir / "plugin-events.jsonl"
+
+        def delivered() -> bool:
+            text = events.read_text() if events.exists() else ""
+            return f'"run": "{run_id}"' in text
+
+        try:
+            wait_for(delivered, timeout=60, interval=0.1)
+        except TimeoutError:
+            pytest.fail(f"no event of {run_id} reached the plugin\n{sc.host_logs()}")
+        delay = time.time() - cut_at
+    finally:
+        _stop(holder)
+        victim.restore()
+    sc.report(cut_to_first_event_s=round(delay, 1), lease_s=LEASE_SECONDS)
+    assert delay <= LEASE_SECONDS + 5, f"{delay:.1f} s\n{sc.host_logs()}"

@@ -598,13 +598,13 @@ def test_reap_stuck_skips_a_run_another_writer_failed_first(
     transitioned 0, no second ``workflow:failed``, no error)."""
     kernel = kernel_for(two_stage(), executor=BrokenExecutor())
     run_id = _crashed_run(kernel, clock)
-    real_lock = run_reap_stuck.lock_run
+    real_lock = run_reap_stuck.try_lock_run
 
-    def lock_after_concurrent_reaper(rid: uuid.UUID) -> WorkflowRun | None:
+    def lock_after_concurrent_reaper(rid: uuid.UUID) -> WorkflowRun | object | None:
         WorkflowRun.objects.filter(pk=rid).update(status=Status.FAILED)
         return real_lock(rid)
 
-    monkeypatch.setattr(run_reap_stuck, "lock_run", lock_after_concurrent_reaper)
+    monkeypatch.setattr(run_reap_stuck, "try_lock_run", lock_after_concurrent_reaper)
 
     result = kernel.dispatch(ReapStuckRuns(stuck_threshold_seconds=300))
 

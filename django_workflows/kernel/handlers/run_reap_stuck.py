@@ -9,7 +9,8 @@ A RUNNING run is a candidate when neither it nor any of its stage records change
 * a run of a definition version this process does not run (issue 12 item 3): its suspended
   stages are polled, and its stuck-ness judged, by a process of its own version.
 
-For each candidate (row-locked, re-checked RUNNING): a run with no active stage record is
+For each candidate (row-locked without waiting - a run another transaction holds is left for
+the next tick - and re-checked RUNNING): a run with no active stage record is
 advanced by the transition rules instead of failed (its work is done: the next group is
 created, or the run completes or fails with its stage's error); PENDING stage records that no
 job serves
@@ -31,7 +32,7 @@ from ...conf import workflow_settings
 from ...models import ACTIVE_STAGE_STATUSES, Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import events as ev
 from ..commands import ReapStuckRuns, ReapStuckRunsResult
-from ..locking import lock_run
+from ..locking import LOCKED, try_lock_run
 from ..store import run_error, stages_of, update_run
 from ..versions import versions_q
 from .base import HandlerOutput, enqueue_stage_jobs
@@ -43,8 +44,15 @@ if TYPE_CHECKING:
 
 def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
     now = kernel.clock.now()
-    since = now - timedelta(seconds=cmd.stuck_threshold_seconds)
-    lease_fresh_after = now - timedelta(seconds=float(workflow_settings.STALE_LEASE_SECONDS))
+    # Staleness is judged in database time (issue 17): a reaper whose clock runs ahead must not
+    # see every run as idle for longer than it is. (With a test clock that drives leases this
+    # is that clock; rows the reaper writes keep the kernel clock's time.)
+    judged_at = kernel.lease_clock.read()
+    since = judged_at - timedelta(seconds=cmd.stuck_threshold_seconds)
+    # ``locked_at`` is lease time (the database's clock, stamped by the heartbeats of another
+    # host): judge it in lease time, never with this host's clock (issue 17: a reaper 90 s
+    # ahead saw every heartbeated lease as stale and failed long stages as stuck).
+    lease_fresh_after = kernel.lease_clock.offset(-float(workflow_settings.STALE_LEASE_SECONDS))
     run_ref = OuterRef("pk")
     candidates = list(
         WorkflowRun.objects.filter(status=Status.RUNNING, updated_at__lte=since)
@@ -63,7 +71,7 @@ def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
         .exclude(
             Exists(
                 WorkflowStage.objects.filter(run=run_ref, status=Status.SUSPENDED).filter(
-                    Q(next_poll_at__gt=now) | Q(max_wait_until__gt=now)
+                    Q(next_poll_at__gt=judged_at) | Q(max_wait_until__gt=judged_at)
                 )
             )
         )
@@ -74,9 +82,12 @@ def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
     failed = recovered = advanced = 0
     threshold = cmd.stuck_threshold_seconds
     for run_id in candidates:
-        run = lock_run(run_id)
-        if run is None or run.status != Status.RUNNING:
+        # Skip a run another transaction holds (maybe a vanished host's, until its session
+        # is ended): one locked row never blocks the maintenance tick (issue 17).
+        run = try_lock_run(run_id)
+        if run is None or run is LOCKED or run.status != Status.RUNNING:
             continue
+        assert isinstance(run, WorkflowRun)
         records = stages_of(run_id)
         workflow = kernel.registry.get(run.workflow_id)
         if workflow is not None and not any(r.status in ACTIVE_STAGE_STATUSES for r in records):

@@ -38,7 +38,7 @@ from ..commands import PollSuspendedStages, PollSuspendedStagesResult
 from ..errors import RunNotRunningError
 from ..executor import error_text
 from ..jsonvalue import storable_text
-from ..locking import require_running
+from ..locking import _RunRowLocked, require_running
 from ..outbox import append_events, new_causation_id
 from ..services import KernelStageServices
 from ..store import duration_ms, run_error, update_run, write_annotations
@@ -174,10 +174,13 @@ def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
 
 
 def _write(kernel: Kernel, record: WorkflowStage, apply: Any) -> str:
-    """Run ``apply`` in the claimed-run transaction (K-PS-5) with the RUNNING guard."""
+    """Run ``apply`` in the claimed-run transaction (K-PS-5) with the RUNNING guard. A run
+    row another transaction holds is not waited for (``"busy"``: polled again next tick), so
+    one locked run never blocks the maintenance tick (issue 17).
+    """
     try:
         with transaction.atomic():
-            require_running(record.run_id)
+            require_running(record.run_id, wait=False)
             now = kernel.clock.now()
             events: list[dict[str, Any]] = []
             outcome = apply(now, events)
@@ -189,13 +192,17 @@ def _write(kernel: Kernel, record: WorkflowStage, apply: Any) -> str:
         return "cancelled"
     except _Stale:
         return "stale"
+    except _RunRowLocked:
+        return "busy"
     except Exception as exc:  # K-PS-7: a failing branch is handled as an error outcome
         message = error_text(exc)
         with transaction.atomic():
             try:
-                require_running(record.run_id)
+                require_running(record.run_id, wait=False)
             except RunNotRunningError:
                 return "cancelled"
+            except _RunRowLocked:
+                return "busy"
             now = kernel.clock.now()
             events = []
             outcome = _fail_both(record, message, now, events, type(exc).__name__)

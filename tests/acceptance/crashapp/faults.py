@@ -266,3 +266,55 @@ sleepy_pipeline = register(
     .pipe(sleepy)
     .build()
 )
+
+
+# --- poller ---------------------------------------------------------------------------------------
+
+
+class PollerInput(BaseModel):
+    label: str = ""
+
+
+class Polled(BaseModel):
+    label: str
+
+
+def _poller_wait(ctx: StageContext[PollerInput, Any]) -> Any:
+    from django_workflows import Suspend
+
+    return Suspend(
+        state={"batch_id": f"poll-{ctx.workflow_run_id}", "label": ctx.input.label},
+        poll_interval_seconds=0.2,
+    )
+
+
+def _poller_ready(state: dict[str, Any], ctx: Any) -> Any:
+    """Not ready until ``{CRASH_DIR}/{run}.wait.done`` exists: every poll of the maintenance
+    tick changes the suspended stage row (``version`` + 1), so a test sees ticks poll."""
+    from django_workflows import CompletionCheck
+
+    if (crash_dir() / f"{ctx.workflow_run_id}.wait.done").exists():
+        return CompletionCheck.done({"label": state["label"]})
+    return CompletionCheck.not_ready()
+
+
+def _define_poller() -> Any:
+    from django_workflows import define_async_batch_stage
+
+    wait = define_async_batch_stage(
+        id="wait",
+        input=PollerInput,
+        output=Polled,
+        execute=_poller_wait,
+        check_completion=_poller_ready,
+    )
+    return register(
+        define_workflow(id="poller", name="Faults: polled forever", input=PollerInput)
+        .pipe(wait)
+        .build()
+    )
+
+
+#: ``poller``: one async-batch stage polled every 0.2 s until ``{run}.wait.done`` exists (the
+#: multi-host test of a host cut mid-transaction watches the polls go on).
+poller = _define_poller()
