@@ -29,7 +29,8 @@ one raises :class:`ApprovalConflictError`. ``check_completion`` reads the first
 ``decision.outcome`` of the stage's current attempt, so after ``run.rerunFrom`` the stage asks
 again (earlier decisions stay in the timeline with their attempt, AN-13). A rejection completes
 the stage with ``approved=False`` (the next stage decides what to do) unless the stage was made
-with ``fail_on_reject=True``, which fails stage and run with the reason.
+with ``fail_on_reject=True``, which fails stage and run with the reason (``run.error``:
+``error_type`` ``"ApprovalRejected"``, :data:`APPROVAL_REJECTED`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pydantic import BaseModel, Field
 
 from .conventions import Approval, Decision
 from .definition.context import CompletionContext, StageContext
-from .definition.results import CompletionCheck, Suspend
+from .definition.results import CompletionCheck, StageFailed, Suspend
 from .definition.stage import DEFAULT_QUEUE, Stage, define_async_batch_stage
 from .kernel.errors import RunStateError
 
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
 
 #: ``suspended_state["kind"]`` of a waiting approval stage.
 APPROVAL_KIND = "django_workflows.approval"
+#: ``run.error["error_type"]`` of a run failed by a rejection (``fail_on_reject=True``).
+APPROVAL_REJECTED = "ApprovalRejected"
 Outcome = Literal["approved", "rejected"]
 OUTCOMES: tuple[str, ...] = ("approved", "rejected")
 
@@ -122,7 +125,8 @@ def approval_stage(
         allowed_approvers: actor ids whose decisions count (empty/``None``: anyone);
             :func:`approve` / :func:`reject` refuse others.
         fail_on_reject: a rejection fails the stage and the run instead of completing it with
-            ``approved=False``.
+            ``approved=False``: the stage's ``error_message`` is ``"Rejected by <who>: <reason>"``
+            and ``run.error["error_type"]`` is ``"ApprovalRejected"``.
         queue: the worker pool that runs the stage's (trivial) ``execute`` (stage routing).
 
     Returns:
@@ -184,7 +188,8 @@ def approval_stage(
         if not decision.approved and opts.fail_on_reject:
             who = decision.decided_by or "unknown actor"
             why = f": {decision.rationale}" if decision.rationale else ""
-            return CompletionCheck.failed(f"Rejected by {who}{why}")
+            # A person decided: its own error type, not an async batch's "BatchFailed".
+            raise StageFailed(f"Rejected by {who}{why}", error_type=APPROVAL_REJECTED)
         return CompletionCheck.done(decision)
 
     return define_async_batch_stage(

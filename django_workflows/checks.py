@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import Error, Warning, register
+from django.core.checks import Error, Info, Warning, register
 from django.utils.module_loading import import_string
 
 from .conf import DEFAULTS, workflow_settings
@@ -264,17 +264,22 @@ def check_stage_timeouts() -> list[Any]:
 @register()
 def check_definition_versions(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     """``W004`` (issue 12 item 3): in-flight (PENDING or RUNNING) runs whose definition version
-    no loaded definition runs (neither its ``version`` nor one of its ``takes_over``): this
-    process's workers leave them for a worker that has their version; if none is deployed
-    any more, they never finish.
+    no loaded definition runs (neither its ``version`` nor one of its ``takes_over``) and no
+    live worker advertises either (the worker presence table, ``workflow_worker_versions``):
+    orphaned runs, which never finish unless a worker with their version comes back.
+
+    ``I004`` (issue 17): such runs whose version a live worker does run - a side-by-side deploy
+    done right (the old workers finish the old runs) - are reported as information naming
+    the workers (and so their hosts), not warned about.
 
     ``W005``: in-flight runs whose version a loaded definition claims to run (same
     ``version`` or ``takes_over``) but whose stored structure has stages the loaded
     definition lacks (a reused explicit version, a wrong ``takes_over``): they fail with
     ``DefinitionMismatch`` when they reach such a stage.
 
-    One ``GROUP BY`` query and at most one query of the stored structures; nothing when the
-    tables do not exist yet (before ``migrate``) or the database cannot be reached.
+    One ``GROUP BY`` query, one query of the presence rows when some in-flight version is not
+    loaded, and at most one query of the stored structures; nothing when the tables do not
+    exist yet (before ``migrate``) or the database cannot be reached.
     """
     from django.db import DatabaseError, transaction
 
@@ -284,24 +289,40 @@ def check_definition_versions(app_configs: Any = None, **kwargs: Any) -> list[An
     try:
         with transaction.atomic():  # a savepoint: a missing table must not break the caller's
             in_flight = versions.in_flight_versions()
+            unrunnable = versions.unrunnable(registry, in_flight)
+            live = versions.live_workers() if unrunnable else {}
             mismatched = versions.mismatched_structures(registry, in_flight)
     except (DatabaseError, RuntimeError):  # RuntimeError: database access blocked (tests)
         return []
     messages: list[Any] = []
-    for workflow_id, version, runs in versions.unrunnable(registry, in_flight):
+    for workflow_id, version, runs in unrunnable:
         workflow = registry.get(workflow_id)
         loaded = (
             f"the loaded definition runs {', '.join(workflow.runs_versions)}"
             if workflow is not None
             else "the workflow is not registered here"
         )
+        workers = live.get((workflow_id, version))
+        if workers:
+            messages.append(
+                Info(
+                    f"{runs} in-flight run(s) of workflow {workflow_id!r} need definition "
+                    f"version {version!r}, which no loaded definition provides ({loaded}); "
+                    f"live {versions.describe_workers(workers)} "
+                    f"{'runs' if len(workers) == 1 else 'run'} it",
+                    hint="A side-by-side deploy: stop those workers once workflows_list shows "
+                    "no in-flight runs of that version",
+                    id="django_workflows.I004",
+                )
+            )
+            continue
         messages.append(
             Warning(
                 f"{runs} in-flight run(s) of workflow {workflow_id!r} need definition version "
-                f"{version!r}, which no loaded definition provides ({loaded}): they wait for a "
-                f"worker with version {version}",
+                f"{version!r}, which no loaded definition provides ({loaded}) and no live "
+                f"worker runs: they wait for a worker with version {version}",
                 hint=(
-                    "Keep workers with that version running until those runs finish, or declare "
+                    "Start (or keep) workers with that version until those runs finish, or declare "
                     f"define_workflow(id={workflow_id!r}, ..., takes_over=[{version!r}]) if "
                     "this definition can execute them"
                 ),

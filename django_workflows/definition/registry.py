@@ -60,6 +60,10 @@ class WorkflowRegistry:
         """The registered schedule definitions, by name."""
         return [self._schedules[name] for name in sorted(self._schedules)]
 
+    def schedule_names(self) -> list[str]:
+        """The names of the registered schedule definitions, sorted."""
+        return sorted(self._schedules)
+
     def register(self, workflow: Workflow) -> Workflow:
         """Add ``workflow`` and return it (so it can be used as an expression).
 
@@ -109,6 +113,10 @@ class WorkflowRegistry:
     def get(self, workflow_id: str) -> Workflow | None:
         """The workflow with ``workflow_id`` or ``None``."""
         return self._workflows.get(workflow_id)
+
+    def workflow_ids(self) -> list[str]:
+        """The registered workflow ids, sorted (for "did you mean" messages)."""
+        return sorted(self._workflows)
 
     def __contains__(self, workflow_id: object) -> bool:
         return workflow_id in self._workflows

@@ -14,6 +14,9 @@ Time rules (the contract the tests check):
   instant (03:00 local, the end of the gap); several non-existent times collapse into that one
   firing. A repeated wall-clock time (fall back) fires once, at its first occurrence, unless
   ``repeated_times="both"``.
+* **Cron days** follow cronie and Vixie cron: if either day field starts with ``*`` (``*``,
+  ``*/2``) a day must match both; only two restricted fields (``13`` and ``fri``) match
+  either (croniter ORs ``*/n``; this engine does not).
 * **Intervals** (``every=`` seconds or a ``timedelta``) are elapsed time: ``anchor + k * every``
   in UTC arithmetic, whatever the zone's DST does.
 """
@@ -53,8 +56,9 @@ OverlapPolicy = Literal["skip", "buffer_one", "allow_all", "cancel_previous"]
 CatchupPolicy = Literal["skip", "run_once", "run_all"]
 #: A firing found at most this late counts as on time (the ``skip`` catch-up policy fires it).
 ON_TIME_SECONDS = 60.0
-#: The furthest a cron search looks ahead (a 29 February schedule needs up to 8 years).
-MAX_SEARCH_YEARS = 9
+#: The furthest a cron search looks ahead: a 29 February schedule needs up to 8 years (2096 ->
+#: 2104), 29 February on one weekday (``0 0 29 2 */7``: both day fields must match) up to 40.
+MAX_SEARCH_YEARS = 41
 #: Years a backfill range (and the API's date-times) may name, inclusive: far enough from
 #: ``datetime.min``/``max`` that a cron search or an interval step cannot overflow.
 MIN_YEAR, MAX_YEAR = 1900, 9000
@@ -82,8 +86,11 @@ _FIELDS = (
 
 @dataclass(frozen=True)
 class CronExpression:
-    """A parsed 5-field cron expression (standard semantics: when both day fields are
-    restricted, a day matches either; day of week 0 and 7 are Sunday).
+    """A parsed 5-field cron expression, with cronie's (and Vixie cron's) day rule: when
+    either the day-of-month or the day-of-week field starts with ``*`` (``*``, ``*/2``), a day
+    must match both fields; only when both are restricted without a leading ``*``
+    (``1,15`` and ``mon``) does a day match either (``days_either``). Day of week 0 and 7
+    are Sunday; names (``jan``-``dec``, ``sun``-``sat``) in any case.
 
     Raises:
         ScheduleDefinitionError: (field ``cron``) wrong field count, an unknown name, a value
@@ -96,8 +103,7 @@ class CronExpression:
     days: frozenset[int]
     months: frozenset[int]
     weekdays: frozenset[int]
-    days_restricted: bool
-    weekdays_restricted: bool
+    days_either: bool
 
     @classmethod
     def parse(cls, text: str) -> CronExpression:
@@ -126,12 +132,15 @@ class CronExpression:
             days=sets[2],
             months=sets[3],
             weekdays=weekdays,
-            days_restricted=parts[2] != "*",
-            weekdays_restricted=parts[4] != "*",
+            days_either=not (parts[2].startswith("*") or parts[4].startswith("*")),
         )
-        if not any(cron._day_matches(2024, m, d) for m in cron.months for d in cron.days):
-            if not cron.weekdays_restricted:
-                raise ScheduleDefinitionError("cron", f"{text!r} never fires (no such day)")
+        # Every date falls on every weekday in some year: with both day fields required, the
+        # expression fires iff one of its dates exists (2024 is a leap year); with either,
+        # the day-of-week field alone makes it fire.
+        if not cron.days_either and not any(
+            _date_exists(2024, m, d) for m in cron.months for d in cron.days
+        ):
+            raise ScheduleDefinitionError("cron", f"{text!r} never fires (no such day)")
         return cron
 
     def _day_matches(self, year: int, month: int, day: int) -> bool:
@@ -141,13 +150,9 @@ class CronExpression:
             return False
         if month not in self.months:
             return False
-        if self.days_restricted and self.weekdays_restricted:
+        if self.days_either:
             return day in self.days or weekday in self.weekdays
-        if self.days_restricted:
-            return day in self.days
-        if self.weekdays_restricted:
-            return weekday in self.weekdays
-        return True
+        return day in self.days and weekday in self.weekdays
 
     def wall_times(self, start: datetime) -> Iterator[datetime]:
         """Matching naive wall-clock times at or after naive ``start``, in order."""
@@ -162,6 +167,14 @@ class CronExpression:
                         if when >= start:
                             yield when
             day += timedelta(days=1)
+
+
+def _date_exists(year: int, month: int, day: int) -> bool:
+    try:
+        datetime(year, month, day)
+    except ValueError:
+        return False
+    return True
 
 
 def _parse_field(

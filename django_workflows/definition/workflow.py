@@ -495,16 +495,51 @@ class Workflow:
 
 
 def _keyed_schema(title: str, stages: Sequence[Stage]) -> dict[str, Any]:
-    """JSON Schema of ``{stage_id: output}`` over ``stages`` (shared ``$defs`` hoisted)."""
-    defs: dict[str, Any] = {}
+    """JSON Schema of ``{stage_id: output}`` over ``stages``, with one ``$defs`` for all.
+
+    The output models' schemas are generated together (pydantic's ``models_json_schema``), so
+    two different models with one class name (``class Result`` in two modules, nested or not)
+    get distinct ``$defs`` names (qualified by module) instead of one overwriting the other.
+    A stage's own model is inlined under its stage id unless something else refers to it (a
+    recursive model, or one model shared by two stages): then the member is its ``$ref``.
+    """
+    from pydantic.json_schema import models_json_schema
+
+    template = "#/$defs/{model}"
+    models = list(dict.fromkeys(s.output_model for s in stages if s.output_model is not None))
+    refs, top = models_json_schema([(m, "validation") for m in models], ref_template=template)
+    defs: dict[str, Any] = dict(top.get("$defs", {}))
+    prefix = template.format(model="")
+    member = {m: refs[(m, "validation")] for m in models}
+    uses: dict[str, int] = {}
+
+    def count(value: Any) -> None:
+        if isinstance(value, dict):
+            ref = value.get("$ref")
+            if isinstance(ref, str) and ref.startswith(prefix):
+                uses[ref[len(prefix) :]] = uses.get(ref[len(prefix) :], 0) + 1
+            for item in value.values():
+                count(item)
+        elif isinstance(value, list):
+            for item in value:
+                count(item)
+
+    count(defs)
+    for stage in stages:
+        if stage.output_model is not None:
+            count(member[stage.output_model])
     properties: dict[str, Any] = {}
     for stage in stages:
-        if stage.output_model is None:
+        model = stage.output_model
+        if model is None:
             properties[stage.id] = {}
             continue
-        schema = dict(stage.output_model.model_json_schema(ref_template="#/$defs/{model}"))
-        defs.update(schema.pop("$defs", {}))
-        properties[stage.id] = schema
+        ref = member[model].get("$ref", "")
+        name = ref[len(prefix) :] if ref.startswith(prefix) else None
+        if name in defs and uses.get(name) == 1:  # only this member refers to it: inline it
+            properties[stage.id] = defs.pop(name)
+        else:
+            properties[stage.id] = member[model]
     out: dict[str, Any] = {
         "title": title,
         "type": "object",

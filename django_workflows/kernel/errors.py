@@ -4,6 +4,37 @@ and carries a message that names the field or id at fault.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
+#: Up to this many known ids are all listed in a "not found" message; with more, only the
+#: closest matches are (:func:`unknown_id_hint`).
+LIST_KNOWN_IDS_UP_TO = 10
+
+
+def unknown_id_hint(wanted: object, known: Iterable[str], plural: str) -> str:
+    """What to tell someone who asked for an unknown id, to append to "X 'ordr' not found":
+    ``"; did you mean 'order'? (registered workflows: invoice, order)"``.
+
+    The closest matches (:func:`difflib.get_close_matches`, at most three; else ids equal to
+    ``wanted`` ignoring case or starting with it), then the known ids themselves when there
+    are at most :data:`LIST_KNOWN_IDS_UP_TO`, else only their number (``"(40 registered
+    workflows)"``); ``" (there are no registered workflows)"`` when there are none.
+    ``plural`` names them (``"registered workflows"``, ``"schedules"``).
+    """
+    ids = sorted({str(k) for k in known})
+    if not ids:
+        return f" (there are no {plural})"
+    text = str(wanted)
+    close = difflib.get_close_matches(text, ids, n=3, cutoff=0.6)
+    if not close and text:
+        folded = text.casefold()
+        close = [k for k in ids if k.casefold().startswith(folded)][:3]
+    hint = "; did you mean " + " or ".join(repr(c) for c in close) + "?" if close else ""
+    if len(ids) <= LIST_KNOWN_IDS_UP_TO:
+        return f"{hint} ({plural}: {', '.join(ids)})"
+    return f"{hint} ({len(ids)} {plural})"
+
 
 class WorkflowError(Exception):
     """Base class of every error the kernel raises to callers."""
@@ -14,10 +45,19 @@ class UnknownCommandError(WorkflowError, TypeError):
 
 
 class WorkflowNotFoundError(WorkflowError, LookupError):
-    """The workflow id is not in the registry (K-CR-1, K-JE-1)."""
+    """The workflow id is not in the registry (K-CR-1, K-JE-1).
 
-    def __init__(self, workflow_id: str) -> None:
-        super().__init__(f"Workflow {workflow_id!r} not found in registry")
+    Args:
+        workflow_id: the id asked for (``.workflow_id``).
+        known: the registered workflow ids, when the raiser has them: the message then names
+            the closest match or lists them (:func:`unknown_id_hint`), e.g. ``"Workflow 'ordr'
+            not found in registry; did you mean 'order'?; registered workflows: invoice,
+            order"``. ``None``: the message names the id alone.
+    """
+
+    def __init__(self, workflow_id: str, known: Iterable[str] | None = None) -> None:
+        hint = "" if known is None else unknown_id_hint(workflow_id, known, "registered workflows")
+        super().__init__(f"Workflow {workflow_id!r} not found in registry{hint}")
         self.workflow_id = workflow_id
 
 

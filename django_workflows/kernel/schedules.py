@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,7 @@ from ..definition.schedule import (
 )
 from ..models import Status, WorkflowRun, WorkflowSchedule
 from .commands import AnnotationSpec, CancelRun, CreateRun
-from .errors import IdempotencyKeyReusedError, InvalidCommandError, WorkflowError
+from .errors import IdempotencyKeyReusedError, InvalidCommandError, WorkflowError, unknown_id_hint
 from .locking import lock_due_schedule, lock_schedule
 
 if TYPE_CHECKING:
@@ -81,11 +82,33 @@ _TIMING_FIELDS = ("cron", "every_seconds", "tz", "anchor", "repeated_times", "ji
 
 
 class ScheduleNotFoundError(WorkflowError, LookupError):
-    """No schedule row with this name."""
+    """No schedule row with this name (``.name``).
 
-    def __init__(self, name: str) -> None:
+    The message names the closest known schedule names or lists them
+    (:func:`.errors.unknown_id_hint`): ``"Schedule 'nightly-reprot' not found; did you mean
+    'nightly-report'? (schedules: hourly-sync, nightly-report)"``. ``known``: the names to
+    compare with; by default the schedule rows and the registered schedule definitions
+    (:func:`known_schedule_names`, one query).
+    """
+
+    def __init__(self, name: str, known: Iterable[str] | None = None) -> None:
         self.name = name
-        super().__init__(f"Schedule {name!r} not found")
+        names = known_schedule_names() if known is None else known
+        super().__init__(f"Schedule {name!r} not found{unknown_id_hint(name, names, 'schedules')}")
+
+
+def known_schedule_names() -> list[str]:
+    """The names of the schedule rows and of the registered schedule definitions, sorted (one
+    query, in a savepoint; only the definitions when the table cannot be read)."""
+    from ..definition.registry import registry
+
+    names = set(registry.schedule_names())
+    try:
+        with transaction.atomic():
+            names.update(WorkflowSchedule.objects.values_list("name", flat=True)[:10_000])
+    except (DatabaseError, RuntimeError):  # RuntimeError: database access blocked (tests)
+        pass
+    return sorted(names)
 
 
 def _orphaned(name: str, action: str) -> InvalidCommandError:

@@ -192,6 +192,40 @@ def live_versions(*, lease_clock: LeaseClock | None = None) -> dict[str, set[str
     return found
 
 
+def live_workers(*, lease_clock: LeaseClock | None = None) -> dict[tuple[str, str], list[str]]:
+    """``{(workflow_id, version): [worker_id, ...]}``: which live worker processes advertise
+    each version (ids sorted; a worker id names its host, ``worker-<host>-<pid>-<hex>``).
+    One query on ``workflow_worker_versions``; expired rows do not count. Tells a correct
+    side-by-side deploy (old runs run by a live old worker) from orphaned runs (the system
+    check ``django_workflows.W004``, ``workflows_list``).
+    """
+    if lease_clock is None:
+        from .runtime import get_kernel
+
+        lease_clock = get_kernel().lease_clock
+    found: dict[tuple[str, str], list[str]] = {}
+    rows = WorkflowWorkerVersions.objects.filter(expires_at__gt=lease_clock.now()).values_list(
+        "worker_id", "versions"
+    )
+    for worker_id, versions in rows:
+        if isinstance(versions, dict):
+            for workflow_id, listed in versions.items():
+                for version in listed or ():
+                    found.setdefault((str(workflow_id), str(version)), []).append(worker_id)
+    return {key: sorted(ids) for key, ids in found.items()}
+
+
+def describe_workers(worker_ids: Iterable[str], most: int = 3) -> str:
+    """``"worker worker-a-1-x"``, ``"workers worker-a-1-x, worker-b-2-y"``, ``"workers w1,
+    w2, w3 and 2 more"``: at most ``most`` ids named."""
+    ids = list(worker_ids)
+    if len(ids) == 1:
+        return f"worker {ids[0]}"
+    named = ", ".join(ids[:most])
+    more = f" and {len(ids) - most} more" if len(ids) > most else ""
+    return f"workers {named}{more}"
+
+
 def describe_missing_version(version: str) -> str:
     """``"waiting for a worker with version 3"``."""
     return f"waiting for a worker with version {version}"

@@ -170,14 +170,19 @@ def test_rejection_completes_with_approved_false(kernel_for: KernelFor, clock: F
 def test_rejection_fails_the_run_with_fail_on_reject(
     kernel_for: KernelFor, clock: FakeClock
 ) -> None:
-    """``fail_on_reject=True``: a rejection fails stage and run with the reason."""
+    """``fail_on_reject=True``: a rejection fails stage and run with the reason, recorded as
+    its own error type (a person decided; not an async batch's ``BatchFailed``)."""
     kernel = kernel_for(_flow(fail_on_reject=True))
     run_id = _waiting_run(kernel, clock)
     reject(run_id, by="bob", reason="no", kernel=kernel)
     _drive(kernel, clock)
-    assert WorkflowRun.objects.get(pk=run_id).status == Status.FAILED
+    run = WorkflowRun.objects.get(pk=run_id)
+    assert run.status == Status.FAILED
     record = WorkflowStage.objects.get(run_id=run_id, stage_id="review")
     assert record.error_message == "Rejected by bob: no"
+    assert run.error["error_type"] == "ApprovalRejected"
+    assert run.error["stage_id"] == "review"
+    assert run.error["message"] == "Rejected by bob: no"
 
 
 def test_first_decision_wins(kernel_for: KernelFor, clock: FakeClock) -> None:

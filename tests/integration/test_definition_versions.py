@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from django.core.management import call_command
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
+from django.utils import timezone
 from pydantic import BaseModel, Field
 
 from django_workflows import WorkflowDefinitionError, define_stage, define_workflow
@@ -534,7 +536,8 @@ def test_the_check_warns_about_in_flight_runs_no_loaded_definition_runs(kernel_f
     try:
         with CaptureQueriesContext(connection) as queries:
             (warning,) = check_definition_versions()
-        assert len(queries.captured_queries) <= 3  # one query (+ savepoint on PostgreSQL)
+        # the GROUP BY and the presence rows (an unloaded version), + BEGIN/COMMIT or savepoint
+        assert len(queries.captured_queries) <= 4
         assert warning.id == "django_workflows.W004"
         assert "2 in-flight run(s) of workflow 'deploy' need definition version '1'" in (
             warning.msg
@@ -543,6 +546,57 @@ def test_the_check_warns_about_in_flight_runs_no_loaded_definition_runs(kernel_f
         registry.unregister("deploy")
         registry.register(v2_added(version="2", takes_over=["1"]))
         assert check_definition_versions() == []
+    finally:
+        registry.unregister("deploy")
+
+
+def _announce(worker_id: str, *workflows: Any, ttl: float = 60) -> None:
+    """Advertise ``workflows``' versions as a live worker ``worker_id`` would (presence row)."""
+    from django_workflows.definition.registry import WorkflowRegistry
+    from django_workflows.kernel.runtime import get_kernel
+
+    own = WorkflowRegistry()
+    for workflow in workflows:
+        own.register(workflow)
+    kv.announce(worker_id, own, get_kernel().lease_clock, ttl)
+
+
+def test_a_version_a_live_worker_runs_is_reported_not_warned_about(kernel_for: Any) -> None:
+    """A correct side-by-side deploy: the old runs' version is not loaded here, but live
+    workers advertise it; the check names them (I004, not W004). Once they are gone (or
+    their presence expired) the runs are orphaned and W004 warns."""
+    from django.core.checks import INFO, WARNING
+
+    from django_workflows.models import WorkflowWorkerVersions
+
+    old = kernel_for(v1(version="1"))
+    old.dispatch(CreateRun("deploy", {"value": 0}))
+    registry.register(v2_added(version="2"))
+    try:
+        _announce("worker-old-host-4711-1a2b3c", v1(version="1"))
+        _announce("worker-other-host-99-ffffff", v1(version="1"))
+        _announce("worker-new-host-12-000000", v2_added(version="2"))
+        with CaptureQueriesContext(connection) as queries:
+            (info,) = check_definition_versions()
+        # the GROUP BY and the presence rows, + BEGIN/COMMIT (SQLite) or a savepoint
+        assert len(queries.captured_queries) <= 4
+        assert (info.id, info.level) == ("django_workflows.I004", INFO)
+        assert "1 in-flight run(s) of workflow 'deploy' need definition version '1'" in info.msg
+        assert (
+            "live workers worker-old-host-4711-1a2b3c, worker-other-host-99-ffffff run it"
+            in info.msg
+        )
+        WorkflowWorkerVersions.objects.filter(worker_id__startswith="worker-other").delete()
+        (info,) = check_definition_versions()
+        assert "live worker worker-old-host-4711-1a2b3c runs it" in info.msg
+        # The old worker's presence expires: nobody runs version 1 any more.
+        WorkflowWorkerVersions.objects.filter(worker_id__startswith="worker-old").update(
+            expires_at=timezone.now() - timedelta(seconds=1)
+        )
+        (warning,) = check_definition_versions()
+        assert (warning.id, warning.level) == ("django_workflows.W004", WARNING)
+        assert "no loaded definition provides" in warning.msg
+        assert "and no live worker runs" in warning.msg
     finally:
         registry.unregister("deploy")
 
@@ -585,17 +639,35 @@ def test_workflows_list_shows_versions_and_in_flight_runs(kernel_for: Any) -> No
         call_command("workflows_list", stdout=out)
         text = out.getvalue()
         assert (
-            "version: 2 (explicit); in flight: 1 2 runs (no loaded definition runs it), 2 1 run"
-            in text
+            "version: 2 (explicit); in flight: 1 2 runs (no loaded definition or live worker "
+            "runs it), 2 1 run" in text
         )
         out = io.StringIO()
         call_command("workflows_list", "--json", stdout=out)
         (doc,) = [w for w in json.loads(out.getvalue())["workflows"] if w["id"] == "deploy"]
         assert doc["version"] == "2" and doc["takes_over"] == []
         assert doc["in_flight"] == [
-            {"version": "1", "runs": 2, "runnable": False},
-            {"version": "2", "runs": 1, "runnable": True},
+            {"version": "1", "runs": 2, "runnable": False, "live_workers": [], "orphaned": True},
+            {"version": "2", "runs": 1, "runnable": True, "live_workers": [], "orphaned": False},
         ]
+        # A side-by-side deploy: a live worker of version 1 runs those runs, and is named.
+        _announce("worker-old-host-4711-1a2b3c", v1(version="1"))
+        out = io.StringIO()
+        call_command("workflows_list", stdout=out)
+        assert (
+            "in flight: 1 2 runs (live worker worker-old-host-4711-1a2b3c runs it), 2 1 run"
+            in out.getvalue()
+        )
+        out = io.StringIO()
+        call_command("workflows_list", "--json", stdout=out)
+        (doc,) = [w for w in json.loads(out.getvalue())["workflows"] if w["id"] == "deploy"]
+        assert doc["in_flight"][0] == {
+            "version": "1",
+            "runs": 2,
+            "runnable": False,
+            "live_workers": ["worker-old-host-4711-1a2b3c"],
+            "orphaned": False,
+        }
     finally:
         registry.unregister("deploy")
 

@@ -95,6 +95,82 @@ def test_output_schema_of_a_parallel_last_group_is_keyed_by_stage_id() -> None:
     assert schema["$defs"]["Inner"] == Inner.model_json_schema()
 
 
+def _models_of_two_modules() -> tuple[type[BaseModel], type[BaseModel]]:
+    """Two output models that each nest a model named ``Result`` (as ``shop.billing`` and
+    ``shop.shipping`` would), with different fields; the outer models share a name too."""
+    from pydantic import create_model
+
+    billed = create_model("Result", __module__="shop.billing", amount=(float, ...))
+    shipped = create_model("Result", __module__="shop.shipping", carrier=(str, ...))
+    a = create_model("Out", __module__="shop.billing", result=(billed, ...))
+    b = create_model(
+        "Out", __module__="shop.shipping", result=(shipped, ...), more=(list[shipped], ...)
+    )
+    return a, b
+
+
+def test_output_schema_keeps_same_named_models_of_a_parallel_group_apart() -> None:
+    """Two stages whose output models nest different models of one class name (``Result``)
+    each keep their own definition: a bill with a carrier and a shipment with an amount are
+    refused, the right shapes accepted (the hoisted ``$defs`` once merged them by name)."""
+    import jsonschema
+
+    billing, shipping = _models_of_two_modules()
+    wf = (
+        define_workflow(id="fan")
+        .pipe(_stage("a"))
+        .parallel([_stage("bill", billing), _stage("ship", shipping)])
+        .build()
+    )
+    schema = wf.output_schema
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    good = {
+        "bill": {"result": {"amount": 9.5}},
+        "ship": {"result": {"carrier": "dhl"}, "more": [{"carrier": "ups"}]},
+    }
+    assert list(validator.iter_errors(good)) == []
+    swapped = {
+        "bill": {"result": {"carrier": "dhl"}},
+        "ship": {"result": {"amount": 9.5}, "more": []},
+    }
+    missing = {e.message for e in validator.iter_errors(swapped)}
+    assert missing == {"'amount' is a required property", "'carrier' is a required property"}
+    # Every model has its own definition: two named Result, one per module.
+    titles = sorted(d.get("title") for d in schema.get("$defs", {}).values())
+    assert titles == ["Result", "Result"]
+    # Each stage's member keeps its own shape, as the stage's own schema describes it.
+    assert set(schema["properties"]["bill"]["properties"]) == {"result"}
+    assert set(schema["properties"]["ship"]["properties"]) == {"result", "more"}
+
+
+def test_output_schema_of_shared_and_recursive_models_refers_to_one_definition() -> None:
+    """One output model on two stages, and a recursive one: the members refer to ``$defs``
+    (valid JSON Schema that accepts the models' outputs)."""
+    import jsonschema
+
+    class Tree(BaseModel):
+        name: str
+        kids: list[Tree] = []
+
+    wf = (
+        define_workflow(id="fan")
+        .pipe(_stage("a"))
+        .parallel([_stage("x", Priced), _stage("y", Priced), _stage("tree", Tree)])
+        .build()
+    )
+    schema = wf.output_schema
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert schema["properties"]["x"] == schema["properties"]["y"] == {"$ref": "#/$defs/Priced"}
+    assert schema["$defs"]["Priced"] == Priced.model_json_schema()
+    assert schema["properties"]["tree"] == {"$ref": "#/$defs/Tree"}
+    validator = jsonschema.Draft202012Validator(schema)
+    ok = {"x": {"cost": 1}, "y": {"cost": 2}, "tree": {"name": "r", "kids": [{"name": "k"}]}}
+    assert list(validator.iter_errors(ok)) == []
+    bad = {"x": {"cost": 1}, "y": {"cost": 2}, "tree": {"name": "r", "kids": [{"kids": []}]}}
+    assert [e.message for e in validator.iter_errors(bad)] == ["'name' is a required property"]
+
+
 def test_workflow_queries() -> None:
     wf = order()
     assert (wf.id, wf.name, wf.description) == ("order", "Order", "an order")

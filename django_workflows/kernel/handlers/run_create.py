@@ -37,8 +37,8 @@ PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
 def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
     workflow = kernel.registry.get(cmd.workflow_id)
-    if workflow is None:
-        raise WorkflowNotFoundError(cmd.workflow_id)
+    if workflow is None:  # the message names the closest registered ids
+        raise WorkflowNotFoundError(cmd.workflow_id, known=kernel.registry.workflow_ids())
     if not isinstance(cmd.input, dict):
         raise InvalidWorkflowInputError(
             f"Invalid workflow input: expected a JSON object, got {json_type(cmd.input)}",

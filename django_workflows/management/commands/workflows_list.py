@@ -1,12 +1,16 @@
 """``manage.py workflows_list [--json]``: the registered workflows, their execution groups and
 definition versions (issue 12 item 3: the loaded version, the versions it takes over, and the
 in-flight runs per version; one ``GROUP BY`` query, none if the tables do not exist yet).
+A version the loaded definition does not run is checked against the worker presence table
+(one more query): a live worker that runs it is named (a side-by-side deploy), else the runs
+are orphaned until a worker with that version comes back.
 
 ::
 
     package-report  Installed package report
       version: fp-3f1c2a9b0d4e5f67 (fingerprint); in flight: fp-3f1c2a9b0d4e5f67 2 runs,
-               fp-0a1b2c3d4e5f6a7b 1 run (no loaded definition runs it)
+               fp-0a1b2c3d4e5f6a7b 1 run (live worker worker-old-host-4711-1a2b3c runs it),
+               fp-9e8d7c6b5a4f3e2d 1 run (no loaded definition or live worker runs it)
       discover -> [parse-metadata | text-stats] -> dependency-graph -> report
         1  discover          sync         Discover installed distributions
         2  parse-metadata    sync         Parse metadata headers
@@ -27,6 +31,26 @@ from django.core.management.base import BaseCommand, CommandParser
 from django_workflows.definition.registry import registry
 from django_workflows.definition.workflow import Workflow
 from django_workflows.kernel import timeouts
+from django_workflows.kernel.versions import describe_workers
+
+
+def _runnable(workflow: Workflow, version: str) -> bool:
+    """Whether the loaded ``workflow`` runs runs of ``version`` (``""``: unversioned, any)."""
+    return not version or version in workflow.runs_versions
+
+
+def live_workers_by_version() -> dict[tuple[str, str], list[str]]:
+    """:func:`django_workflows.kernel.versions.live_workers` (``{(workflow_id, version):
+    [worker_id, ...]}``), or ``{}`` when the presence table cannot be read."""
+    from django.db import DatabaseError, transaction
+
+    from django_workflows.kernel.versions import live_workers
+
+    try:
+        with transaction.atomic():
+            return live_workers()
+    except DatabaseError:
+        return {}
 
 
 def in_flight_by_workflow() -> dict[str, dict[str, int]]:
@@ -49,11 +73,16 @@ def in_flight_by_workflow() -> dict[str, dict[str, int]]:
 
 
 def workflow_document(
-    workflow: Workflow, in_flight: dict[str, int] | None = None
+    workflow: Workflow,
+    in_flight: dict[str, int] | None = None,
+    live: dict[tuple[str, str], list[str]] | None = None,
 ) -> dict[str, Any]:
     """The JSON description of one workflow (``workflows_list --json``); ``in_flight``: its
-    PENDING/RUNNING runs per definition version (:func:`in_flight_by_workflow`).
+    PENDING/RUNNING runs per definition version (:func:`in_flight_by_workflow`), each with
+    ``runnable`` (the loaded definition runs it), ``live_workers`` (the ids of the live
+    workers that advertise it, :func:`live_workers_by_version`) and ``orphaned`` (neither).
     """
+    live = live or {}
     return {
         "id": workflow.id,
         "name": workflow.name,
@@ -65,7 +94,10 @@ def workflow_document(
             {
                 "version": version,
                 "runs": runs,
-                "runnable": not version or version in workflow.runs_versions,
+                "runnable": _runnable(workflow, version),
+                "live_workers": live.get((workflow.id, version), []),
+                "orphaned": not _runnable(workflow, version)
+                and not live.get((workflow.id, version)),
             }
             for version, runs in sorted((in_flight or {}).items())
         ],
@@ -99,9 +131,20 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **opts: Any) -> None:
         workflows = list(registry)
         in_flight = in_flight_by_workflow()
+        live = (
+            live_workers_by_version()
+            if any(
+                not _runnable(wf, version)
+                for wf in workflows
+                for version in in_flight.get(wf.id, {})
+            )
+            else {}
+        )
         if opts["json"]:
             document = {
-                "workflows": [workflow_document(wf, in_flight.get(wf.id)) for wf in workflows]
+                "workflows": [
+                    workflow_document(wf, in_flight.get(wf.id), live) for wf in workflows
+                ]
             }
             self.stdout.write(json.dumps(document, indent=2, default=str))
             return
@@ -111,9 +154,14 @@ class Command(BaseCommand):
         for index, workflow in enumerate(workflows):
             if index:
                 self.stdout.write("")
-            self._write_workflow(workflow, in_flight.get(workflow.id) or {})
+            self._write_workflow(workflow, in_flight.get(workflow.id) or {}, live)
 
-    def _write_workflow(self, workflow: Workflow, in_flight: dict[str, int]) -> None:
+    def _write_workflow(
+        self,
+        workflow: Workflow,
+        in_flight: dict[str, int],
+        live: dict[tuple[str, str], list[str]],
+    ) -> None:
         write = self.stdout.write
         write(f"{workflow.id}  {workflow.name}")
         if workflow.description:
@@ -126,8 +174,13 @@ class Command(BaseCommand):
         for version, runs in sorted(in_flight.items()):
             label = version or "(unversioned)"
             text = f"{label} {runs} run{'s' if runs != 1 else ''}"
-            if version and version not in workflow.runs_versions:
-                text += " (no loaded definition runs it)"
+            if not _runnable(workflow, version):
+                workers = live.get((workflow.id, version))
+                if workers:
+                    verb = "runs" if len(workers) == 1 else "run"
+                    text += f" (live {describe_workers(workers)} {verb} it)"
+                else:
+                    text += " (no loaded definition or live worker runs it)"
             counts.append(text)
         line += "; in flight: " + (", ".join(counts) if counts else "none")
         write(line)

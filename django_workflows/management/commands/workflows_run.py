@@ -9,8 +9,13 @@ Examples::
     manage.py workflows_run package-report --annotate trigger.source=cli
     manage.py workflows_run package-report --annotations @annotations.json
 
+With ``--wait`` it prints each stage's changes and, whenever it changes, what the run waits
+for (``waiting: waiting for an approval decision (stage review; run: python manage.py
+workflows_approve <id> ...)``, ``waiting for a worker: no worker is live ...``): the reasons of
+``workflows_status``, the admin and the API.
+
 Exit status with ``--wait``: 0 when the run COMPLETED; 1 (with the error) when it FAILED, was
-CANCELLED, or did not finish within ``--timeout`` seconds.
+CANCELLED, or did not finish within ``--timeout`` seconds (the error says what it waited for).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from django_workflows.models import (
 )
 
 from ._common import run_error
+from ._waiting import run_waiting
 
 
 def load_json_argument(value: str | None, option: str) -> Any:
@@ -213,6 +219,8 @@ class Command(BaseCommand):
         seen: dict[str, tuple[str, int]] = {}
         status = ""
         total = None
+        said: tuple[str, ...] = ()
+        waiting: tuple[str, ...] = ()
         while True:
             run = WorkflowRun.objects.get(pk=run_id)
             if total is None:
@@ -239,11 +247,19 @@ class Command(BaseCommand):
             if run.status != status and run.status not in TERMINAL_RUN_STATUSES:
                 status = run.status
                 self.stdout.write(f"run {run_id} {status}")
+            if run.status not in TERMINAL_RUN_STATUSES:
+                # What it waits for, when that changes (a stage executing says so above).
+                waiting = tuple(w.text() for w in run_waiting(run) if w.reason != "executing")
+                if waiting != said:
+                    said = waiting
+                    for text in waiting:
+                        self.stdout.write(f"  waiting: {text}")
             self.stdout.flush()
             if run.status in TERMINAL_RUN_STATUSES:
                 break
             if deadline is not None and time.monotonic() > deadline:
-                raise CommandError(f"run {run_id} still {run.status} after {timeout:g} s")
+                why = f": {'; '.join(waiting)}" if waiting else ""
+                raise CommandError(f"run {run_id} still {run.status} after {timeout:g} s{why}")
             time.sleep(interval)
         if run.status == Status.COMPLETED:
             seconds = (run.duration_ms or 0) / 1000

@@ -1,6 +1,9 @@
 """``manage.py workflows_status <run_id> [--json] [--traceback]``: show a run and one line per
 stage record. A FAILED run shows its ``run.error`` (stage, message, error type, attempt,
-delivery); ``--traceback`` also prints the failed stage's traceback.
+delivery); ``--traceback`` also prints the failed stage's traceback. A PENDING or RUNNING run
+shows what it waits for (``waiting:`` lines, the admin's and the API's reasons, with the
+command that unblocks it: ``workflows_approve <id>`` for an approval, a worker command when
+no worker is live; :mod:`._waiting`).
 
 Durations are shown in seconds (``--json`` gives the stored milliseconds, ``duration_ms``);
 progress is a percentage (0-100); times are ISO 8601 in UTC.
@@ -20,6 +23,7 @@ from django_workflows.models import Status, WorkflowJob, WorkflowRun, WorkflowSt
 
 from ...runs import error_details
 from ._common import format_datetime, format_duration_ms, get_run, run_error
+from ._waiting import CliWaiting, run_waiting
 
 
 def failed_traceback(run: WorkflowRun, stages: list[WorkflowStage]) -> str | None:
@@ -70,15 +74,22 @@ def _job_document(job: WorkflowJob | None) -> dict[str, Any] | None:
 
 
 def run_document(
-    run: WorkflowRun, stages: list[WorkflowStage], jobs: dict[str, WorkflowJob] | None = None
+    run: WorkflowRun,
+    stages: list[WorkflowStage],
+    jobs: dict[str, WorkflowJob] | None = None,
+    waiting_for: list[CliWaiting] | None = None,
 ) -> dict[str, Any]:
     """The JSON document of ``workflows_status --json``; ``job`` is the stage's newest job;
+    ``waiting`` lists what the run waits for (``[{"reason", "stage_id", "message",
+    "command", "at"}]``, :func:`._waiting.run_waiting`; ``[]`` for a terminal run);
     ``waiting_for_worker`` lists the queues of ready jobs that no live worker serves and
     ``waiting_reason`` says so (``"waiting for a gpu worker"``, else ``null``);
     ``waiting_for_version`` is the run's ``definition_version`` when workers are live but none
     runs it (``waiting_reason``: ``"waiting for a worker with version X"``), else ``null``.
     """
     jobs = jobs if jobs is not None else latest_jobs(run)
+    if waiting_for is None:
+        waiting_for = run_waiting(run, stages, jobs)
     waiting = waiting_for_worker(run.pk) if run.status in (Status.PENDING, Status.RUNNING) else []
     version = None if waiting else waiting_for_version(run)
     reason = describe_waiting(waiting) or (describe_missing_version(version) if version else None)
@@ -99,6 +110,7 @@ def run_document(
         "waiting_for_worker": waiting,
         "waiting_for_version": version,
         "waiting_reason": reason,
+        "waiting": [w.document() for w in waiting_for],
         "input": run.input,
         "config": run.config,
         "output": run.output,
@@ -131,7 +143,8 @@ def _progress(value: float | None) -> str:
 class Command(BaseCommand):
     help = (
         "Show a workflow run: header (workflow, status, priority, times, duration in seconds, "
-        "error, 'waiting for a <queue> worker' when ready work has no live worker) and one "
+        "error, and what a PENDING/RUNNING run waits for - an approval, a worker, a retry - "
+        "with the command that unblocks it) and one "
         "line per stage record (execution group, stage id, status, rerun "
         "generation, job deliveries/max, progress in %, duration in seconds, error and any "
         "pending retry). A failed run shows its error (stage, message, error type, attempt, "
@@ -151,11 +164,12 @@ class Command(BaseCommand):
             WorkflowStage.objects.filter(run=run).order_by("execution_group", "stage_number")
         )
         jobs = latest_jobs(run)
+        waiting = run_waiting(run, stages, jobs)
         if opts["json"]:
-            document = run_document(run, stages, jobs)
+            document = run_document(run, stages, jobs, waiting)
             self.stdout.write(json.dumps(document, cls=DjangoJSONEncoder, indent=2))
             return
-        self._write_text(run, stages, jobs, bool(opts.get("traceback")))
+        self._write_text(run, stages, jobs, bool(opts.get("traceback")), waiting)
 
     def _write_text(
         self,
@@ -163,6 +177,7 @@ class Command(BaseCommand):
         stages: list[WorkflowStage],
         jobs: dict[str, WorkflowJob],
         show_traceback: bool = False,
+        waiting: list[CliWaiting] | None = None,
     ) -> None:
         write = self.stdout.write
         write(f"run {run.pk}")
@@ -183,13 +198,10 @@ class Command(BaseCommand):
         traceback = failed_traceback(run, stages) if run.status == Status.FAILED else None
         if traceback and not show_traceback:
             write("             (the stage's traceback: --traceback)")
-        if run.status in (Status.PENDING, Status.RUNNING):
-            waiting = describe_waiting(waiting_for_worker(run.pk))
-            if not waiting:
-                version = waiting_for_version(run)
-                waiting = describe_missing_version(version) if version else None
-            if waiting:
-                write(f"  waiting:   {waiting}")
+        waiting = run_waiting(run, stages, jobs) if waiting is None else waiting
+        for index, item in enumerate(waiting):
+            write(f"  {'waiting:' if index == 0 else '':<9}  {item.text()}")
+        unblocked = {w.stage_id: w for w in waiting if w.reason in ("no_worker", "stale_lease")}
         if not stages:
             write("stages: none yet")
             return
@@ -200,6 +212,8 @@ class Command(BaseCommand):
         )
         for s in stages:
             note = retry_note(s, jobs.get(s.stage_id))
+            if not note and s.stage_id in unblocked:  # RUNNING 62% but nobody works on it
+                note = unblocked[s.stage_id].message
             error = " ".join(
                 part for part in (s.error_message, f"({note})" if note else "") if part
             )
