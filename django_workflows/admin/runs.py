@@ -50,6 +50,7 @@ from ..models import (
     IdempotencyKey,
     OutboxEvent,
     Status,
+    WorkflowDefinitionVersion,
     WorkflowJob,
     WorkflowRun,
     WorkflowStage,
@@ -66,6 +67,7 @@ from .display import (
     short_json,
     status_badge,
 )
+from ..waiting import run_progress, version_note
 from .gantt import build_gantt
 from .operations import (
     AnnotateForm,
@@ -201,9 +203,9 @@ class RunChangeList(ChangeList):
 
 
 def attach_page_data(runs: list[WorkflowRun]) -> None:
-    """Set ``completed_stages``, ``stage_records``, ``dw_waiting`` and ``dw_error`` on each run
-    (4 queries at most, whatever the page size: stages, open jobs, live queues, live
-    definition versions)."""
+    """Set ``dw_progress`` (``(completed, stages)``), ``dw_waiting`` and ``dw_error`` on each
+    run (5 queries at most, whatever the page size: stages, open jobs, live queues, live
+    definition versions, the stored structures of the page's versions)."""
     if not runs:
         return
     ids = [r.pk for r in runs]
@@ -237,18 +239,42 @@ def attach_page_data(runs: list[WorkflowRun]) -> None:
             versions.append(read())
         return versions[0]
 
+    structures = page_structures(runs)
+
     for run in runs:
         if "output" in run.get_deferred_fields():
             # the list read only output["error"]: enough for run_error(), no query per row
             error = getattr(run, "dw_output_error", None)
             run.output = None if error is None else {"error": error}
         records = sorted(stages[run.pk], key=lambda s: (s.execution_group, s.stage_number))
-        run.completed_stages = sum(1 for s in records if s.status == Status.COMPLETED)
-        run.stage_records = len(records)
+        run.dw_progress = run_progress(run, records, structures=structures)
         run.dw_waiting = waiting_reasons(
             run, records, jobs[run.pk], live_queues=live_queues, live_versions=live_versions
         )
         run.dw_error = run_error(run, records) if run.status == Status.FAILED else None
+
+
+def page_structures(runs: list[WorkflowRun]) -> Any:
+    """``(workflow_id, version) -> stored structure`` for the versioned runs of a page (one
+    query for all of them, on the first call)."""
+    cache: dict[tuple[str, str], Any] = {}
+    loaded: list[bool] = []
+
+    def structures(workflow_id: str, version: str) -> Any:
+        if not loaded:
+            loaded.append(True)
+            pairs = {(r.workflow_id, r.definition_version) for r in runs if r.definition_version}
+            where = Q()
+            for wf, v in pairs:
+                where |= Q(workflow_id=wf, version=v)
+            if pairs:
+                for wf, v, structure in WorkflowDefinitionVersion.objects.filter(
+                    where
+                ).values_list("workflow_id", "version", "structure"):
+                    cache[(wf, v)] = structure
+        return cache.get((workflow_id, version))
+
+    return structures
 
 
 def ms_time(at: Any) -> str:
@@ -467,17 +493,11 @@ class WorkflowRunAdmin(CappedPaginationMixin, admin.ModelAdmin):
 
     @admin.display(description="progress")
     def progress_summary(self, obj: WorkflowRun) -> SafeString:
-        """Completed stages / stages of the workflow (stage records when it is unregistered)."""
-        completed = getattr(obj, "completed_stages", None)
-        if completed is None:
-            completed = obj.stages.filter(status=Status.COMPLETED).count()
-        workflow = registry.get(obj.workflow_id)
-        if workflow is not None:
-            total = len(workflow.stages)
-        else:
-            total = getattr(obj, "stage_records", None)
-            if total is None:
-                total = obj.stages.count()
+        """Completed stages / stages of the definition the run started with
+        (:func:`django_workflows.waiting.run_progress`: its version's stored structure, not
+        today's definition)."""
+        progress = getattr(obj, "dw_progress", None)
+        completed, total = progress if progress is not None else run_progress(obj)
         return format_html(
             '<span class="dw-progress" style="white-space:nowrap" '
             'title="{} of {} stages completed">'
@@ -539,20 +559,8 @@ class WorkflowRunAdmin(CappedPaginationMixin, admin.ModelAdmin):
         """The definition version the run started with and whether this process runs it."""
         version = obj.definition_version
         if not version:
-            return format_html("{}", "(unversioned: any definition runs it)")
-        workflow = registry.get(obj.workflow_id)
-        if workflow is None:
-            note = "workflow not registered in this process"
-        elif workflow.version == version:
-            note = "the loaded definition"
-        elif version in workflow.takes_over:
-            note = f"taken over by the loaded version {workflow.version}"
-        else:
-            note = (
-                f"not the loaded version {workflow.version}: only a worker with version "
-                f"{version} runs it"
-            )
-        return format_html("<code>{}</code> ({})", version, note)
+            return format_html("({})", version_note(obj))
+        return format_html("<code>{}</code> ({})", version, version_note(obj))
 
     @admin.display(description="input")
     def input_json(self, obj: WorkflowRun) -> SafeString | str:
