@@ -382,4 +382,6 @@ def version_note(run: WorkflowRun) -> str:
         return f"taken over by the loaded version {workflow.version}"
     if run.status in TERMINAL_RUN_STATUSES:
         return f"not the loaded version {workflow.version}"
-    return f"not the loaded version {workflow.version}: only a worker with version {version} runs it"
+    return (
+        f"not the loaded version {workflow.version}: only a worker with version {version} runs it"
+    )

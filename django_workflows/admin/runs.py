@@ -56,6 +56,7 @@ from ..models import (
     WorkflowStage,
 )
 from ..runs import WaitingReason, error_details, run_error, waiting_reasons
+from ..waiting import run_progress, version_note
 from .display import (
     CappedPaginationMixin,
     StatusFilter,
@@ -67,7 +68,6 @@ from .display import (
     short_json,
     status_badge,
 )
-from ..waiting import run_progress, version_note
 from .gantt import build_gantt
 from .operations import (
     AnnotateForm,
@@ -268,9 +268,9 @@ def page_structures(runs: list[WorkflowRun]) -> Any:
             for wf, v in pairs:
                 where |= Q(workflow_id=wf, version=v)
             if pairs:
-                for wf, v, structure in WorkflowDefinitionVersion.objects.filter(
-                    where
-                ).values_list("workflow_id", "version", "structure"):
+                for wf, v, structure in WorkflowDefinitionVersion.objects.filter(where).values_list(
+                    "workflow_id", "version", "structure"
+                ):
                     cache[(wf, v)] = structure
         return cache.get((workflow_id, version))
 
