@@ -220,6 +220,8 @@ def check_stage_timeouts() -> list[Any]:
         )
         for cluster, stages in sorted(too_long.items())
     ]
+
+
 @register()
 def check_definition_versions(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     """``W004`` (issue 12 item 3): in-flight (PENDING or RUNNING) runs whose definition version

@@ -507,6 +507,8 @@ class WorkflowSchedule(models.Model):
             return f"cron {self.cron} ({self.tz})"
         seconds = self.every_seconds or 0
         return f"every {int(seconds) if seconds == int(seconds) else seconds}s"
+
+
 class WorkflowDefinitionVersion(models.Model):
     """The structure of one version of a workflow definition, stored once (issue 12 item 3)
     when the first run of that version is created: the admin shows each run's own stage list

@@ -179,6 +179,8 @@ class RetryPolicy:
         if self.backoff_max_seconds is not None:
             cap = float(self.backoff_max_seconds)
         return min(base * 2 ** max(attempt - 1, 0), cap)
+
+
 def seconds_error(value: object) -> str | None:
     """``None`` if ``value`` is ``None`` or a positive, finite number of seconds; else what is
     wrong with it (used for ``timeout_seconds`` and ``queue_timeout_seconds``).

@@ -76,7 +76,7 @@ def normalise_schema(schema: dict[str, Any]) -> dict[str, Any]:
         prefix = "#/$defs/"
         if not ref.startswith(prefix):
             return ref
-        old = ref[len(prefix):]
+        old = ref[len(prefix) :]
         if old not in names:
             names[old] = f"d{len(names)}"
             order.append(old)
@@ -368,15 +368,16 @@ class Workflow:
     def execution_order(self) -> str:
         """A human-readable plan, one line per execution group (WF-37)::
 
-            1. validate
-            2. reserve | price-shipping (parallel)
-            3. confirm
+        1. validate
+        2. reserve | price-shipping (parallel)
+        3. confirm
         """
         lines = []
         for number, group in enumerate(self._groups, start=1):
             ids = " | ".join(node.stage.id for node in group)
             lines.append(f"{number}. {ids}{' (parallel)' if len(group) > 1 else ''}")
         return "\n".join(lines)
+
     # --- definition versions (issue 12 item 3) --------------------------------------------
 
     @property

@@ -117,3 +117,28 @@ class IdempotencyKeyReusedError(WorkflowError):
         self.key = key
         self.command_type = command_type
         self.field = "idempotency_key"
+
+
+class ScheduleNotFoundError(WorkflowError, LookupError):
+    """No schedule row with this name (``schedule.pause``/``resume``/``trigger``/``backfill``,
+    ``workflows_schedule``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"Schedule {name!r} not found")
+
+
+class ScheduleOrphanedError(WorkflowError):
+    """The schedule is orphaned: its definition is gone from code, so it cannot be resumed,
+    triggered or backfilled until a deploy defines it again (pausing it is allowed). Nothing
+    was written. ``name`` is the schedule, ``action`` what was refused (``"resumed"``,
+    ``"triggered"``, ``"backfilled"``).
+    """
+
+    def __init__(self, name: str, action: str) -> None:
+        self.name = name
+        self.action = action
+        super().__init__(
+            f"Schedule {name!r} is orphaned (its definition is gone from code); it cannot be "
+            f"{action} until a deploy defines it again"
+        )
