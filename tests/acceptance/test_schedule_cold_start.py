@@ -23,8 +23,9 @@ pytestmark = [pytest.mark.acceptance]
 EVERY_SECONDS = 3.0
 SUPERVISOR_INTERVAL_SECONDS = 2.0
 TICK_INTERVAL_SECONDS = 0.2
-#: A cluster's processes import Django and the project before their supervisor starts.
-STARTUP_SECONDS = 8.0
+#: A cluster's processes import Django and the project before their supervisor starts (about
+#: 3-6 s measured on 2 shared cores; the allowance covers a loaded machine).
+STARTUP_SECONDS = 15.0
 
 ENV = {
     "EXTRA_INSTALLED_APPS": "tests.acceptance.crashapp",
