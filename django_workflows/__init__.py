@@ -100,7 +100,8 @@ _LAZY = {
     "BlobNotFoundError": "django_workflows.blobs",
     "StageTimeout": "django_workflows.kernel.timeouts",
     "QueueTimeout": "django_workflows.kernel.timeouts",
-    "ScheduleNotFoundError": "django_workflows.kernel.schedules",
+    "ScheduleNotFoundError": "django_workflows.kernel.errors",
+    "ScheduleOrphanedError": "django_workflows.kernel.errors",
 }
 
 
@@ -150,6 +151,7 @@ __all__ = [
     "ScheduleDefinition",
     "ScheduleDefinitionError",
     "ScheduleNotFoundError",
+    "ScheduleOrphanedError",
     "Stage",
     "StageContext",
     "StageFailed",

@@ -290,3 +290,98 @@ def _drive_round(kernel: Kernel, worker_id: str, *, jobs: bool = True) -> bool:
         return False
     done = process_available_jobs(kernel, worker_id, max_jobs=100)
     return bool(done.processed or tick.claimed or tick.resumed)
+
+
+# --- progress and version of a run, from the run's own definition ------------------------------
+
+
+def structure_stage_count(structure: Any) -> int | None:
+    """How many stages a stored structure (``{"groups": [[{"id", ...}, ...], ...]}``) holds;
+    ``None`` when ``structure`` has no list of groups."""
+    groups = structure.get("groups") if isinstance(structure, dict) else None
+    if not isinstance(groups, list):
+        return None
+    return sum(
+        1 for group in groups if isinstance(group, list) for s in group if isinstance(s, dict)
+    )
+
+
+def run_stage_total(
+    run: WorkflowRun,
+    stage_records: int,
+    *,
+    structures: Callable[[str, str], Any] | None = None,
+) -> int:
+    """The number of stages of the definition ``run`` started with (issue 17): from its
+    version's stored structure for a versioned run, from the registered definition when it
+    is that version (or the run is unversioned), else ``stage_records`` (the run's own stage
+    records). Never less than ``stage_records``. A deploy of another version does not change
+    what an old run shows.
+
+    Args:
+        run: the run (its ``workflow_id`` and ``definition_version`` are read).
+        stage_records: how many stage records the run has.
+        structures: ``(workflow_id, version) -> stored structure or None`` (default
+            :func:`django_workflows.kernel.versions.stored_structure`, one query); a list page
+            passes a memoised one.
+    """
+    from .definition.registry import registry
+
+    workflow = registry.get(run.workflow_id)
+    version = run.definition_version
+    total: int | None = None
+    if version:
+        if structures is None:
+            from .kernel.versions import stored_structure as structures
+        total = structure_stage_count(structures(run.workflow_id, version))
+        if total is None and workflow is not None and workflow.version == version:
+            total = len(workflow.stages)
+    elif workflow is not None:
+        total = len(workflow.stages)
+    return max(total or 0, stage_records)
+
+
+def run_progress(
+    run: WorkflowRun,
+    records: Sequence[WorkflowStage] | None = None,
+    *,
+    structures: Callable[[str, str], Any] | None = None,
+) -> tuple[int, int]:
+    """``(completed stages, stages)`` of ``run``: COMPLETED stage records over the stages of
+    the run's own definition (:func:`run_stage_total`). ``records``: the run's stage records
+    when the caller has them (else one query). For the admin (list and run page) and the API.
+    """
+    from .models import Status, WorkflowStage
+
+    if records is None:
+        statuses = list(WorkflowStage.objects.filter(run=run).values_list("status", flat=True))
+    else:
+        statuses = [r.status for r in records]
+    completed = sum(1 for s in statuses if s == Status.COMPLETED)
+    return completed, run_stage_total(run, len(statuses), structures=structures)
+
+
+def version_note(run: WorkflowRun) -> str:
+    """What the loaded definitions make of ``run``'s definition version, for display:
+    ``"the loaded definition"``, ``"taken over by the loaded version X"``, ``"not the loaded
+    version X: only a worker with version V runs it"`` (an unfinished run), ``"not the loaded
+    version X"`` (a finished run: nothing runs it any more), ``"workflow not registered in
+    this process"``, or for an unversioned run ``"unversioned: any definition runs it"``."""
+    from .definition.registry import registry
+    from .models import TERMINAL_RUN_STATUSES
+
+    version = run.definition_version
+    if not version:
+        return "unversioned: any definition runs it"
+    workflow = registry.get(run.workflow_id)
+    if workflow is None:
+        return "workflow not registered in this process"
+    if workflow.version == version:
+        return "the loaded definition"
+    if version in workflow.takes_over:
+        return f"taken over by the loaded version {workflow.version}"
+    if run.status in TERMINAL_RUN_STATUSES:
+        return f"not the loaded version {workflow.version}"
+    return (
+        f"not the loaded version {workflow.version}: only a worker with version {version} runs it"
+    )

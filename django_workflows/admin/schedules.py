@@ -4,8 +4,11 @@ and backfill, each with a confirmation page, a History record and its own permis
 (``pause_workflowschedule``, ``trigger_workflowschedule``, ``backfill_workflowschedule``,
 shared with the HTTP API; each also needs ``view_workflowschedule``).
 
-Rows are synced from the code definitions when the list is shown (as the tick does). The
-admin never saves a schedule row itself: it calls :mod:`django_workflows.kernel.schedules`.
+Rows are synced from the code definitions by the workers (when a worker process starts, and
+on every maintenance tick) and by ``workflows_schedule``; showing a page writes nothing (no
+admin GET writes). The admin never saves a schedule row itself: each operation dispatches its
+kernel command (``schedule.pause``, ``schedule.resume``, ``schedule.trigger``,
+``schedule.backfill``).
 """
 
 from __future__ import annotations
@@ -23,18 +26,10 @@ from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
+from ..kernel.commands import BackfillSchedule, PauseSchedule, ResumeSchedule, TriggerSchedule
 from ..kernel.errors import InvalidCommandError
 from ..kernel.runtime import get_kernel
-from ..kernel.schedules import (
-    MAX_BACKFILL,
-    backfill_schedule,
-    check_backfill_range,
-    pause_schedule,
-    resume_schedule,
-    sync_schedules,
-    trigger_schedule,
-    upcoming_times,
-)
+from ..kernel.schedules import MAX_BACKFILL, check_backfill_range, upcoming_times
 from ..models import WorkflowSchedule
 from .display import ReadOnlyAdmin, badge, compact_time, run_link
 from .operations import (
@@ -207,13 +202,6 @@ class WorkflowScheduleAdmin(ReadOnlyAdmin):
 
     # --- pages ------------------------------------------------------------------------------
 
-    def changelist_view(
-        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
-    ) -> HttpResponse:
-        """Sync the code definitions first, so the list shows every schedule."""
-        sync_schedules(get_kernel())
-        return super().changelist_view(request, extra_context)
-
     def changeform_view(
         self,
         request: HttpRequest,
@@ -286,7 +274,7 @@ class WorkflowScheduleAdmin(ReadOnlyAdmin):
 
         def perform(data: dict[str, Any]) -> str:
             reason = data["reason"] or f"paused in the admin by {actor_of(request)}"
-            if not pause_schedule(row.name, reason):
+            if not get_kernel().dispatch(PauseSchedule(row.name, reason)).changed:
                 return f"Schedule {row.name} was paused already."
             log_operation(request, row, f"Paused the schedule. Reason: {reason}")
             return f"Paused schedule {row.name}: it fires no more until resumed."
@@ -312,7 +300,7 @@ class WorkflowScheduleAdmin(ReadOnlyAdmin):
         back = self._url("change", row.pk)
 
         def perform(data: dict[str, Any]) -> str:
-            if not resume_schedule(row.name):
+            if not get_kernel().dispatch(ResumeSchedule(row.name)).changed:
                 return f"Schedule {row.name} was not paused."
             log_operation(request, row, "Resumed the schedule.")
             row.refresh_from_db()
@@ -343,7 +331,11 @@ class WorkflowScheduleAdmin(ReadOnlyAdmin):
         back = self._url("change", row.pk)
 
         def perform(data: dict[str, Any]) -> str:
-            run_id = trigger_schedule(row.name, actor=actor_of(request))
+            run_id = (
+                get_kernel()
+                .dispatch(TriggerSchedule(row.name, actor=actor_of(request)))
+                .workflow_run_id
+            )
             log_operation(request, row, f"Triggered the schedule now: run {run_id}.")
             return f"Started run {run_id} of {row.workflow_id}."
 
@@ -372,7 +364,9 @@ class WorkflowScheduleAdmin(ReadOnlyAdmin):
         back = self._url("change", row.pk)
 
         def perform(data: dict[str, Any]) -> str:
-            result = backfill_schedule(row.name, data["start"], data["end"])
+            result = get_kernel().dispatch(
+                BackfillSchedule(row.name, data["start"], data["end"])
+            )
             log_operation(
                 request,
                 row,

@@ -933,18 +933,19 @@ class _ScheduleStateView(WorkflowsAPIView):
     throttle_scope = "write"
 
     def change(self, request: Request, name: str, *, pause: bool) -> Response:
-        from ..kernel.schedules import pause_schedule, resume_schedule
+        from ..kernel.commands import PauseSchedule, ResumeSchedule
+        from ..kernel.errors import ScheduleOrphanedError
 
         row = _get_schedule(name)
         if pause:
             body = self.body(s.SchedulePauseSerializer)
             reason = body.get("reason") or f"paused over the API by {request.user.get_username()}"
-            changed = pause_schedule(row.name, reason, kernel=get_kernel())
+            changed = get_kernel().dispatch(PauseSchedule(row.name, reason)).changed
         else:
             self.body(s.EmptyBodySerializer)
             try:
-                changed = resume_schedule(row.name, kernel=get_kernel())
-            except InvalidCommandError as exc:  # field name: orphaned, its definition is gone
+                changed = get_kernel().dispatch(ResumeSchedule(row.name)).changed
+            except ScheduleOrphanedError as exc:
                 raise APIError(str(exc), code="schedule_orphaned", status_code=409) from None
         row.refresh_from_db()
         return Response(
@@ -996,18 +997,21 @@ class ScheduleTriggerView(WorkflowsAPIView):
         },
     )
     def post(self, request: Request, name: str) -> Response:
-        from ..kernel.schedules import trigger_schedule
+        from ..kernel.commands import TriggerSchedule
+        from ..kernel.errors import ScheduleOrphanedError
 
         row = _get_schedule(name)
         self.body(s.EmptyBodySerializer)
         try:
-            run_id = trigger_schedule(
-                row.name, kernel=get_kernel(), actor=f"api:{request.user.get_username()}"
+            run_id = (
+                get_kernel()
+                .dispatch(TriggerSchedule(row.name, actor=f"api:{request.user.get_username()}"))
+                .workflow_run_id
             )
-        except WorkflowError as exc:  # orphaned, or its workflow or input no longer fits
-            orphaned = isinstance(exc, InvalidCommandError) and exc.field == "name"
-            code = "schedule_orphaned" if orphaned else "schedule_broken"
-            raise APIError(str(exc), code=code, status_code=409) from None
+        except ScheduleOrphanedError as exc:
+            raise APIError(str(exc), code="schedule_orphaned", status_code=409) from None
+        except WorkflowError as exc:  # its workflow or input no longer fits
+            raise APIError(str(exc), code="schedule_broken", status_code=409) from None
         return Response(
             s.ScheduleTriggerResultSerializer({"workflow_run_id": run_id}).data,
             status=http.HTTP_201_CREATED,
@@ -1029,15 +1033,16 @@ class ScheduleBackfillView(WorkflowsAPIView):
         },
     )
     def post(self, request: Request, name: str) -> Response:
-        from ..kernel.schedules import backfill_schedule
+        from ..kernel.commands import BackfillSchedule
+        from ..kernel.errors import ScheduleOrphanedError
 
         row = _get_schedule(name)
         body = self.body(s.ScheduleBackfillSerializer)
         try:
-            result = backfill_schedule(row.name, body["start"], body["end"], kernel=get_kernel())
+            result = get_kernel().dispatch(BackfillSchedule(row.name, body["start"], body["end"]))
+        except ScheduleOrphanedError as exc:
+            raise APIError(str(exc), code="schedule_orphaned", status_code=409) from None
         except InvalidCommandError as exc:
-            if exc.field == "name":  # orphaned: its definition is gone
-                raise APIError(str(exc), code="schedule_orphaned", status_code=409) from None
             raise kernel_error(exc) from None
         except WorkflowError as exc:
             raise APIError(str(exc), code="schedule_broken", status_code=409) from None

@@ -2,18 +2,22 @@
 
 from .commands import (
     AnnotationSpec,
+    BackfillSchedule,
     CancelRun,
     ClaimPendingRuns,
     CreateRun,
     ExecuteJob,
     FlushOutbox,
+    PauseSchedule,
     PollSuspendedStages,
     ReapStaleLeases,
     ReapStuckRuns,
     ReplayDeadLetters,
     RerunFrom,
+    ResumeSchedule,
     SkipDeadLetter,
     TransitionRun,
+    TriggerSchedule,
 )
 from .dispatch import Kernel
 from .errors import (
@@ -26,6 +30,8 @@ from .errors import (
     OutboxEventStateError,
     RunNotFoundError,
     RunStateError,
+    ScheduleNotFoundError,
+    ScheduleOrphanedError,
     StageNotFoundError,
     WorkflowError,
     WorkflowNotFoundError,
@@ -33,6 +39,7 @@ from .errors import (
 
 __all__ = [
     "AnnotationSpec",
+    "BackfillSchedule",
     "CancelRun",
     "ClaimPendingRuns",
     "CreateRun",
@@ -46,16 +53,21 @@ __all__ = [
     "Kernel",
     "OutboxEventNotFoundError",
     "OutboxEventStateError",
+    "PauseSchedule",
     "PollSuspendedStages",
     "ReapStaleLeases",
     "ReapStuckRuns",
     "ReplayDeadLetters",
     "RerunFrom",
+    "ResumeSchedule",
     "RunNotFoundError",
     "RunStateError",
+    "ScheduleNotFoundError",
+    "ScheduleOrphanedError",
     "SkipDeadLetter",
     "StageNotFoundError",
     "TransitionRun",
+    "TriggerSchedule",
     "WorkflowError",
     "WorkflowNotFoundError",
 ]

@@ -398,6 +398,107 @@ class SkipDeadLetterResult(Result):
     unblocked: int
 
 
+# --- schedule.pause / resume / trigger / backfill (issue 12 item 1, issue 17) ----------------
+
+
+@dataclass(frozen=True)
+class PauseSchedule:
+    """Pause schedule ``name``: no firing until resumed (an orphaned one may be paused).
+
+    Attributes:
+        name: the schedule's name (its row's primary key).
+        reason: free text kept as ``pause_reason`` (at most 500 characters are stored).
+
+    Raises (from dispatch): ``ScheduleNotFoundError``.
+    """
+
+    type: ClassVar[str] = "schedule.pause"
+    name: str
+    reason: str = ""
+
+
+@dataclass
+class PauseScheduleResult(Result):
+    name: str
+    #: ``False``: it was paused already (nothing written)
+    changed: bool
+
+
+@dataclass(frozen=True)
+class ResumeSchedule:
+    """Resume a paused schedule: its next firing is its next time after now (times that passed
+    while paused are not caught up).
+
+    Raises (from dispatch): ``ScheduleNotFoundError``, ``ScheduleOrphanedError``.
+    """
+
+    type: ClassVar[str] = "schedule.resume"
+    name: str
+
+
+@dataclass
+class ResumeScheduleResult(Result):
+    name: str
+    #: ``False``: it was not paused (nothing written)
+    changed: bool
+
+
+@dataclass(frozen=True)
+class TriggerSchedule:
+    """Start one run of schedule ``name`` now (also when paused; its overlap policy is not
+    applied). Its scheduled time is now; its idempotency key ``schedule:<name>:manual:<now>``.
+
+    Attributes:
+        name: the schedule.
+        actor: who asked (kept in the run's ``trigger.reason``: "triggered now by <actor>").
+
+    Raises (from dispatch): ``ScheduleNotFoundError``, ``ScheduleOrphanedError``, and the
+    errors of ``run.create`` (``WorkflowNotFoundError``, ``InvalidWorkflowInputError``, ...);
+    nothing is written then.
+    """
+
+    type: ClassVar[str] = "schedule.trigger"
+    name: str
+    actor: str = ""
+
+
+@dataclass
+class TriggerScheduleResult(Result):
+    name: str
+    workflow_run_id: str
+
+
+@dataclass(frozen=True)
+class BackfillSchedule:
+    """Start one run for every scheduled time of ``name`` in ``[start, end]`` (oldest first;
+    also when paused; overlap not applied), each with the firing's own idempotency key.
+
+    Attributes:
+        name: the schedule.
+        start, end: aware datetimes, ``start <= end``, at most ``MAX_BACKFILL`` times between.
+
+    Raises (from dispatch): ``ScheduleNotFoundError``, ``ScheduleOrphanedError``,
+    ``InvalidCommandError`` (field ``start``/``end``); nothing is written then.
+    """
+
+    type: ClassVar[str] = "schedule.backfill"
+    name: str
+    start: datetime
+    end: datetime
+
+
+@dataclass
+class BackfillScheduleResult(Result):
+    """``run_ids``: the runs started, one per new scheduled time; ``existing``: times whose
+    run existed already (fired by the ticker or an earlier backfill); ``times``: every
+    scheduled time of the range."""
+
+    name: str
+    times: list[datetime] = field(default_factory=list)
+    run_ids: list[str] = field(default_factory=list)
+    existing: int = 0
+
+
 Command = (
     CreateRun
     | ClaimPendingRuns
@@ -410,5 +511,9 @@ Command = (
     | ReapStuckRuns
     | FlushOutbox
     | ReplayDeadLetters
+    | PauseSchedule
+    | ResumeSchedule
+    | TriggerSchedule
+    | BackfillSchedule
     | SkipDeadLetter
 )

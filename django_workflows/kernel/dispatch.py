@@ -224,6 +224,10 @@ def _routes() -> dict[type, tuple[Callable[..., Any], bool, type[c.Result]]]:
         run_reap_stuck,
         run_rerun_from,
         run_transition,
+        schedule_backfill,
+        schedule_pause,
+        schedule_resume,
+        schedule_trigger,
         stage_poll_suspended,
     )
 
@@ -240,4 +244,8 @@ def _routes() -> dict[type, tuple[Callable[..., Any], bool, type[c.Result]]]:
         c.FlushOutbox: (outbox_flush.handle, False, c.FlushOutboxResult),
         c.ReplayDeadLetters: (plugin_replay_dlq.handle, False, c.ReplayDeadLettersResult),
         c.SkipDeadLetter: (outbox_skip.handle, False, c.SkipDeadLetterResult),
+        c.PauseSchedule: (schedule_pause.handle, False, c.PauseScheduleResult),
+        c.ResumeSchedule: (schedule_resume.handle, False, c.ResumeScheduleResult),
+        c.TriggerSchedule: (schedule_trigger.handle, False, c.TriggerScheduleResult),
+        c.BackfillSchedule: (schedule_backfill.handle, False, c.BackfillScheduleResult),
     }

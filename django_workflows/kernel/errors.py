@@ -157,3 +157,35 @@ class IdempotencyKeyReusedError(WorkflowError):
         self.key = key
         self.command_type = command_type
         self.field = "idempotency_key"
+
+
+class ScheduleNotFoundError(WorkflowError, LookupError):
+    """No schedule row with this name (``schedule.pause``/``resume``/``trigger``/``backfill``,
+    ``workflows_schedule``); ``.name``.
+
+    ``known``: the names to compare with (the kernel passes the schedule rows and the
+    registered schedule definitions, :func:`.schedules.known_schedule_names`); the message then
+    names the closest or lists them (:func:`unknown_id_hint`): ``"Schedule 'nightly-reprot' not
+    found; did you mean 'nightly-report'? (schedules: hourly-sync, nightly-report)"``.
+    """
+
+    def __init__(self, name: str, known: Iterable[str] | None = None) -> None:
+        self.name = name
+        hint = "" if known is None else unknown_id_hint(name, known, "schedules")
+        super().__init__(f"Schedule {name!r} not found{hint}")
+
+
+class ScheduleOrphanedError(WorkflowError):
+    """The schedule is orphaned: its definition is gone from code, so it cannot be resumed,
+    triggered or backfilled until a deploy defines it again (pausing it is allowed). Nothing
+    was written. ``name`` is the schedule, ``action`` what was refused (``"resumed"``,
+    ``"triggered"``, ``"backfilled"``).
+    """
+
+    def __init__(self, name: str, action: str) -> None:
+        self.name = name
+        self.action = action
+        super().__init__(
+            f"Schedule {name!r} is orphaned (its definition is gone from code); it cannot be "
+            f"{action} until a deploy defines it again"
+        )

@@ -11,7 +11,9 @@ committed together. Two clusters ticking at once, or a tick retried after a lost
 therefore create each firing's run once: the second either skips the locked row, finds it no
 longer due, or replays the key.
 
-Sync (:func:`sync_schedules`) runs at the start of the same step, on every tick: one query
+Sync (:func:`sync_schedules`) runs at the start of the same step, on every tick, and once in
+every worker process when its supervisor starts (so a schedule deployed to an idle cluster has
+a row, and is due, although nothing else makes a tick run): one query
 reads the rows' definition hashes; rows are written only when a definition is new, changed or
 gone. A row whose definition is gone is kept, marked ``orphaned`` and paused. During a rolling
 deploy the ticker's process decides which definitions are current.
@@ -26,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -47,8 +48,22 @@ from ..definition.schedule import (
     jitter_for,
 )
 from ..models import Status, WorkflowRun, WorkflowSchedule
-from .commands import AnnotationSpec, CancelRun, CreateRun
-from .errors import IdempotencyKeyReusedError, InvalidCommandError, WorkflowError, unknown_id_hint
+from .commands import (
+    AnnotationSpec,
+    BackfillSchedule,
+    BackfillScheduleResult,
+    CancelRun,
+    CreateRun,
+    PauseSchedule,
+    ResumeSchedule,
+    TriggerSchedule,
+)
+from .errors import (
+    InvalidCommandError,
+    ScheduleNotFoundError,
+    ScheduleOrphanedError,
+    WorkflowError,
+)
 from .locking import lock_due_schedule, lock_schedule
 
 if TYPE_CHECKING:
@@ -81,22 +96,6 @@ MAX_UPCOMING = 1000
 _TIMING_FIELDS = ("cron", "every_seconds", "tz", "anchor", "repeated_times", "jitter_seconds")
 
 
-class ScheduleNotFoundError(WorkflowError, LookupError):
-    """No schedule row with this name (``.name``).
-
-    The message names the closest known schedule names or lists them
-    (:func:`.errors.unknown_id_hint`): ``"Schedule 'nightly-reprot' not found; did you mean
-    'nightly-report'? (schedules: hourly-sync, nightly-report)"``. ``known``: the names to
-    compare with; by default the schedule rows and the registered schedule definitions
-    (:func:`known_schedule_names`, one query).
-    """
-
-    def __init__(self, name: str, known: Iterable[str] | None = None) -> None:
-        self.name = name
-        names = known_schedule_names() if known is None else known
-        super().__init__(f"Schedule {name!r} not found{unknown_id_hint(name, names, 'schedules')}")
-
-
 def known_schedule_names() -> list[str]:
     """The names of the schedule rows and of the registered schedule definitions, sorted (one
     query, in a savepoint; only the definitions when the table cannot be read)."""
@@ -111,29 +110,19 @@ def known_schedule_names() -> list[str]:
     return sorted(names)
 
 
-def _orphaned(name: str, action: str) -> InvalidCommandError:
-    """The error (field ``name``) of an operation on an orphaned schedule: its definition is
-    gone from code, so it cannot be resumed, triggered or backfilled until a deploy defines it
-    again."""
-    return InvalidCommandError(
-        f"name: schedule {name!r} is orphaned (its definition is gone from code); it cannot "
-        f"be {action} until a deploy defines it again",
-        field="name",
-    )
-
-
-def _lock_operable(name: str, action: str) -> WorkflowSchedule:
-    """Lock schedule ``name`` for an operator's ``action`` ("resumed", "triggered").
+def lock_operable(name: str, action: str) -> WorkflowSchedule:
+    """Lock schedule ``name`` (in the caller's transaction) for an operator's ``action``
+    ("resumed", "triggered").
 
     Raises:
         ScheduleNotFoundError: no such schedule.
-        InvalidCommandError: (field ``name``) it is orphaned (:func:`_orphaned`).
+        ScheduleOrphanedError: it is orphaned (its definition is gone from code).
     """
     row = lock_schedule(name)
     if row is None:
-        raise ScheduleNotFoundError(name)
+        raise ScheduleNotFoundError(name, known_schedule_names())
     if row.orphaned:
-        raise _orphaned(name, action)
+        raise ScheduleOrphanedError(name, action)
     return row
 
 
@@ -192,7 +181,7 @@ def _validate(kernel: Kernel, definition: ScheduleDefinition) -> str:
     return ""
 
 
-def sync_schedules(kernel: Kernel) -> SyncResult:
+def sync_schedules(kernel: Kernel, *, orphan: bool = True) -> SyncResult:
     """Bring ``WorkflowSchedule`` rows in line with ``kernel.registry.schedules()``.
 
     New definitions get a row whose first firing is the next scheduled time after now (no
@@ -202,6 +191,11 @@ def sync_schedules(kernel: Kernel) -> SyncResult:
     ``last_error`` set and no next firing (logged; fixed by the next deploy). Rows without a
     definition are marked orphaned and paused (and un-orphaned when the definition returns).
     Costs one query when nothing changed.
+
+    Args:
+        kernel: its registry holds the definitions; its clock says "now".
+        orphan: whether rows without a definition are orphaned (``False``: the supervisor's
+            sync at process start, which only adds and updates).
     """
     out = SyncResult()
     definitions = {d.name: d for d in kernel.registry.schedules()}
@@ -223,7 +217,7 @@ def sync_schedules(kernel: Kernel) -> SyncResult:
             _sync_one(kernel, definition, digest, error, now, out)
         except IntegrityError:  # another process created the row at the same moment
             logger.info("Schedule %s was created concurrently; synced next tick", name)
-    if not len(kernel.registry):
+    if not orphan or not len(kernel.registry):
         # A process that loaded no workflow at all (autodiscovery did not run) is no authority
         # on which definitions exist: orphan nothing.
         return out
@@ -269,12 +263,13 @@ def _sync_one(
             logger.error("Schedule %s is not fired: %s", name, error)
         elif retime or row.next_scheduled_at is None:
             row.last_error = ""
-            _set_next(row, definition, definition.next_after(now))
+            set_next(row, definition, definition.next_after(now))
         row.save(force_insert=created)
     (out.created if created else out.updated).append(name)
 
 
-def _set_next(row: WorkflowSchedule, definition: ScheduleDefinition, when: datetime | None) -> None:
+def set_next(row: WorkflowSchedule, definition: ScheduleDefinition, when: datetime | None) -> None:
+    """Set ``row``'s next scheduled time to ``when`` and its next fire time (plus jitter)."""
     row.next_scheduled_at = when
     row.next_fire_at = fire_time(row.name, when, definition.jitter.total_seconds())
 
@@ -284,7 +279,10 @@ def idempotency_key(name: str, scheduled_at: datetime) -> str:
     return f"schedule:{name}:{scheduled_at.astimezone(UTC).isoformat()}"
 
 
-def _annotations(name: str, scheduled_at: datetime, reason: str | None) -> tuple[AnnotationSpec]:
+def firing_annotations(
+    name: str, scheduled_at: datetime, reason: str | None
+) -> tuple[AnnotationSpec]:
+    """The trigger and schedule annotations of a firing's run (see the module docstring)."""
     attributes: dict[Any, Any] = {
         Trigger.source: "schedule",
         Trigger.actor_kind: "schedule",
@@ -297,7 +295,7 @@ def _annotations(name: str, scheduled_at: datetime, reason: str | None) -> tuple
     return (AnnotationSpec(attributes, actor={"kind": "schedule", "id": name}),)
 
 
-def _start(
+def start_firing(
     kernel: Kernel,
     row: WorkflowSchedule,
     scheduled_at: datetime,
@@ -314,7 +312,7 @@ def _start(
             config=row.config or None,
             priority=row.priority,
             idempotency_key=key or idempotency_key(row.name, scheduled_at),
-            annotations=_annotations(row.name, scheduled_at, reason),
+            annotations=firing_annotations(row.name, scheduled_at, reason),
         )
     )
     return str(result.workflow_run_id), bool(result.replayed)
@@ -411,7 +409,7 @@ def _fire(kernel: Kernel, row: WorkflowSchedule, now: datetime, out: FireResult)
                 if kernel.dispatch(CancelRun(row.last_run_id, reason)).cancelled:
                     out.cancelled += 1
             _run_firing(kernel, row, scheduled_at, now, out)
-        _set_next(row, definition, upcoming)
+        set_next(row, definition, upcoming)
     row.updated_at = now
     row.save()
 
@@ -420,7 +418,7 @@ def _run_firing(
     kernel: Kernel, row: WorkflowSchedule, scheduled_at: datetime, now: datetime, out: FireResult
 ) -> None:
     try:
-        run_id, replayed = _start(kernel, row, scheduled_at)
+        run_id, replayed = start_firing(kernel, row, scheduled_at)
     except WorkflowError as exc:
         row.last_error = f"firing at {scheduled_at.isoformat()}: {exc}"
         out.errors += 1
@@ -493,84 +491,51 @@ def get_schedule(name: str) -> WorkflowSchedule:
     """The row ``name``. Raises :class:`ScheduleNotFoundError`."""
     row = WorkflowSchedule.objects.filter(pk=name).first()
     if row is None:
-        raise ScheduleNotFoundError(name)
+        raise ScheduleNotFoundError(name, known_schedule_names())
     return row
 
 
 def pause_schedule(name: str, reason: str = "", *, kernel: Kernel | None = None) -> bool:
-    """Pause schedule ``name`` (no firing until resumed); ``False`` if it was paused already.
+    """Pause schedule ``name`` (no firing until resumed): dispatches
+    :class:`~.commands.PauseSchedule`. ``False`` if it was paused already.
 
     Raises:
         ScheduleNotFoundError: no such schedule.
     """
-    now = _kernel(kernel).clock.now()
-    with transaction.atomic():
-        row = lock_schedule(name)
-        if row is None:
-            raise ScheduleNotFoundError(name)
-        if row.paused:
-            return False
-        row.paused, row.pause_reason, row.updated_at = True, str(reason)[:500], now
-        row.save(update_fields=["paused", "pause_reason", "updated_at"])
-    return True
+    return bool(_kernel(kernel).dispatch(PauseSchedule(name, str(reason))).changed)
 
 
 def resume_schedule(name: str, *, kernel: Kernel | None = None) -> bool:
-    """Resume a paused schedule: its next firing is the next scheduled time after now (times
-    that passed while paused are not caught up); ``False`` if it was not paused.
+    """Resume a paused schedule: dispatches :class:`~.commands.ResumeSchedule`. Its next
+    firing is the next scheduled time after now (times that passed while paused are not caught
+    up); ``False`` if it was not paused.
 
     Raises:
         ScheduleNotFoundError: no such schedule.
-        InvalidCommandError: (field ``name``) the schedule is orphaned: its definition is gone.
+        ScheduleOrphanedError: the schedule is orphaned: its definition is gone.
     """
-    kernel = _kernel(kernel)
-    now = kernel.clock.now()
-    with transaction.atomic():
-        row = _lock_operable(name, "resumed")
-        if not row.paused:
-            return False
-        row.paused, row.pause_reason, row.updated_at = False, "", now
-        if not row.last_error or row.next_scheduled_at is not None:
-            definition = definition_from_row(row)
-            _set_next(row, definition, definition.next_after(now))
-        row.save()
-    return True
+    return bool(_kernel(kernel).dispatch(ResumeSchedule(name)).changed)
 
 
 def trigger_schedule(name: str, *, kernel: Kernel | None = None, actor: str = "") -> str:
-    """Start one run of schedule ``name`` now (also when paused; the overlap policy is not
-    applied: an operator asked for it). Its scheduled time is now; its idempotency key is
-    ``schedule:<name>:manual:<now>``. Returns the run id.
+    """Start one run of schedule ``name`` now: dispatches :class:`~.commands.TriggerSchedule`
+    (also when paused; the overlap policy is not applied: an operator asked for it). Its
+    scheduled time is now; its idempotency key is ``schedule:<name>:manual:<now>``. Returns the
+    run id.
 
     Raises:
         ScheduleNotFoundError: no such schedule.
-        InvalidCommandError: (field ``name``) the schedule is orphaned: its definition is gone
-            (nothing written).
+        ScheduleOrphanedError: the schedule is orphaned: its definition is gone (nothing
+            written).
         WorkflowNotFoundError, InvalidWorkflowInputError, InvalidWorkflowConfigError: the run
             cannot be created (nothing written).
     """
-    kernel = _kernel(kernel)
-    now = kernel.clock.now()
-    with transaction.atomic():
-        row = _lock_operable(name, "triggered")
-        key = f"schedule:{name}:manual:{now.astimezone(UTC).isoformat()}"
-        reason = f"triggered now by {actor}" if actor else "triggered now"
-        run_id, _ = _start(kernel, row, now, key=key, reason=reason)
-        row.last_run_id = run_id  # type: ignore[assignment]
-        row.last_fired_at = row.updated_at = now
-        row.fired_count += 1
-        row.save(update_fields=["last_run_id", "last_fired_at", "updated_at", "fired_count"])
-    return run_id
+    result = _kernel(kernel).dispatch(TriggerSchedule(name, actor=str(actor)))
+    return str(result.workflow_run_id)
 
 
-@dataclass
-class BackfillResult:
-    """``run_ids``: the runs started, one per scheduled time; ``existing``: times whose run
-    existed already (fired by the ticker or an earlier backfill)."""
-
-    times: list[datetime] = field(default_factory=list)
-    run_ids: list[str] = field(default_factory=list)
-    existing: int = 0
+#: What :func:`backfill_schedule` returns (``times``, ``run_ids``, ``existing``, ``name``).
+BackfillResult = BackfillScheduleResult
 
 
 def check_backfill_range(start: datetime, end: datetime) -> None:
@@ -603,54 +568,21 @@ def check_backfill_range(start: datetime, end: datetime) -> None:
 
 def backfill_schedule(
     name: str, start: datetime, end: datetime, *, kernel: Kernel | None = None
-) -> BackfillResult:
-    """Start one run for every scheduled time of ``name`` in ``[start, end]`` (oldest first;
-    also when paused; overlap not applied). Each uses the firing's own idempotency key, so a
-    time the ticker fired already (or an earlier backfill) is not started again.
+) -> BackfillScheduleResult:
+    """Start one run for every scheduled time of ``name`` in ``[start, end]``: dispatches
+    :class:`~.commands.BackfillSchedule` (oldest first; also when paused; overlap not
+    applied). Each uses the firing's own idempotency key, so a time the ticker fired already
+    (or an earlier backfill) is not started again.
 
     Raises:
         ScheduleNotFoundError: no such schedule.
         InvalidCommandError: field ``start``/``end`` naive or outside the years
             :data:`MIN_YEAR`-:data:`MAX_YEAR` (UTC), ``end`` before ``start``, or more than
             :data:`MAX_BACKFILL` times in the range (nothing written).
-        InvalidCommandError: (field ``name``) the schedule is orphaned: its definition is gone
-            (nothing written).
+        ScheduleOrphanedError: the schedule is orphaned: its definition is gone (nothing
+            written).
     """
-    kernel = _kernel(kernel)
-    check_backfill_range(start, end)
-    row = get_schedule(name)
-    if row.orphaned:
-        raise _orphaned(name, "backfilled")
-    definition = definition_from_row(row)
-    times = definition.times_between(start, end, limit=MAX_BACKFILL + 1)
-    if len(times) > MAX_BACKFILL:
-        raise InvalidCommandError(
-            f"end: the range holds more than {MAX_BACKFILL} scheduled times; backfill a shorter "
-            "range",
-            field="end",
-        )
-    out = BackfillResult(times=times)
-    with transaction.atomic():
-        for scheduled_at in times:
-            try:
-                result = kernel.dispatch(
-                    CreateRun(
-                        workflow_id=row.workflow_id,
-                        input=row.input or {},
-                        config=row.config or None,
-                        priority=row.priority,
-                        idempotency_key=idempotency_key(name, scheduled_at),
-                        annotations=_annotations(name, scheduled_at, None),
-                    )
-                )
-            except IdempotencyKeyReusedError:
-                out.existing += 1  # fired before with another input (the schedule changed)
-                continue
-            if result.replayed:
-                out.existing += 1
-            else:
-                out.run_ids.append(str(result.workflow_run_id))
-    return out
+    return _kernel(kernel).dispatch(BackfillSchedule(name, start, end))  # type: ignore[no-any-return]
 
 
 def upcoming_times(row: WorkflowSchedule, count: int = 5) -> list[datetime]:
@@ -683,14 +615,19 @@ __all__ = [
     "BackfillResult",
     "FireResult",
     "ScheduleNotFoundError",
+    "ScheduleOrphanedError",
     "SyncResult",
     "backfill_schedule",
     "check_backfill_range",
     "fire_due_schedules",
+    "firing_annotations",
     "get_schedule",
     "idempotency_key",
+    "lock_operable",
     "pause_schedule",
     "resume_schedule",
+    "set_next",
+    "start_firing",
     "sync_schedules",
     "trigger_schedule",
     "upcoming_times",

@@ -4,12 +4,14 @@ Every worker process runs one :class:`Supervisor` thread next to the thread that
 stages. It runs *duties*, each of which says when it is next due; between duties the thread
 sleeps (an idle process costs one cheap query per ``SUPERVISOR_INTERVAL_SECONDS``).
 
-* :class:`TickerDuty` - compete for the ``ticker`` lease (TTL :func:`ticker_lease_seconds`,
-  refreshed by the holder every third of it) and, while holding it and while a run is PENDING
-  or RUNNING, run a maintenance tick every ``TICK_INTERVAL_SECONDS``. Every process looks
-  every ``SUPERVISOR_INTERVAL_SECONDS`` whether runs are live while nobody holds the lease, so
-  a dead holder (SIGKILL, lost host) is replaced within the lease's TTL plus that interval,
-  with any number of clusters alive and without waiting for django-q2's schedule.
+* :class:`TickerDuty` - sync the schedule definitions to their rows once when the process
+  starts (so a schedule is due on an idle cluster), then compete for the ``ticker`` lease
+  (TTL :func:`ticker_lease_seconds`, refreshed by the holder every third of it) and, while
+  holding it and while a run is PENDING or RUNNING, run a maintenance tick every
+  ``TICK_INTERVAL_SECONDS``. Every process looks every ``SUPERVISOR_INTERVAL_SECONDS``
+  whether runs are live while nobody holds the lease, so a dead holder (SIGKILL, lost host)
+  is replaced within the lease's TTL plus that interval, with any number of clusters alive
+  and without waiting for django-q2's schedule.
 * :class:`StopDuty` - watch the cluster's stop request (:class:`StopSignal`); once it is set,
   the ticker lease is given up at once (another process takes it within
   ``SUPERVISOR_INTERVAL_SECONDS``), the delivery loop leases nothing more, and after
@@ -175,6 +177,7 @@ class TickerDuty:
         self._next_check = 0.0
         self._next_tick = 0.0
         self._next_renew = 0.0
+        self.schedules_synced = False
         self._lock = threading.Lock()
 
     def poke(self) -> None:
@@ -193,6 +196,8 @@ class TickerDuty:
                     return self._next_check - now
                 self._next_check = now + check
                 close_old_connections()
+                if not self.schedules_synced:
+                    self._sync_schedules(kernel)
                 if not ticker_needed(kernel.lease_clock, name):
                     return check
                 if not leases.acquire_lease(kernel.lease_clock, name, self.owner, ttl):
@@ -227,6 +232,24 @@ class TickerDuty:
                     self._next_check = now + check
                     return check
             return max(0.0, min(self._next_tick, self._next_renew) - now)
+
+    def _sync_schedules(self, kernel: Kernel) -> None:
+        """Once per process, before its first look: give this deploy's schedule definitions
+        their rows (:func:`.schedules.sync_schedules`; one query when nothing changed), so a
+        schedule deployed to an idle cluster is due by its first time although no tick runs
+        (nothing else is live). Orphans nothing: a process of an older deploy restarting
+        next to a newer one must not pause the newer one's schedules (the ticks decide).
+        A failure is logged and retried at the next look.
+        """
+        from .schedules import sync_schedules
+
+        try:
+            sync_schedules(kernel, orphan=False)
+        except Exception:
+            connection.close()
+            logger.exception("Could not sync the schedule definitions; retrying")
+            return
+        self.schedules_synced = True
 
     def _drop(self, *, release: bool) -> None:
         self.holding = False

@@ -183,9 +183,9 @@ def test_run_changelist_renders_each_state_with_badges_and_progress(admin_client
     for status in ("pending", "running", "completed", "failed", "cancelled"):
         assert f"dw-badge dw-{status}" in html
     rows = {r.pk: r for r in response.context["cl"].result_list}
-    assert rows[runs.completed.pk].completed_stages == 2
-    assert rows[runs.running.pk].completed_stages == 1
-    assert rows[runs.pending.pk].completed_stages == 0
+    assert rows[runs.completed.pk].dw_progress[0] == 2
+    assert rows[runs.running.pk].dw_progress[0] == 1
+    assert rows[runs.pending.pk].dw_progress[0] == 0
     assert "2 / 2" in html and "1 / 2" in html and "0 / 2" in html
 
 
@@ -250,15 +250,16 @@ def test_run_changelist_query_count_does_not_grow_with_runs(admin_client, kernel
 
 
 def test_run_progress_falls_back_to_stage_records_when_workflow_unregistered(admin_client, kernel):
-    """A run whose workflow is not registered in this process still renders: its total is the
-    number of stage records, and the page says the workflow is not registered."""
+    """A run whose workflow is not registered in this process still renders: its total comes
+    from its version's stored structure (issue 17), and the page says the workflow is not
+    registered."""
     runs = make_runs(kernel)
     registry.unregister("admin-two-stage")
     response = admin_client.get(reverse(CHANGELIST) + "?workflow_id=admin-two-stage")
     html = response.content.decode()
     assert "2 / 2" in html  # completed: both stage records
     assert "1 / 2" in html  # running: prepare done, add-10 pending
-    assert "0 / 0" in html  # pending: no stage record yet
+    assert "0 / 2" in html  # pending: no stage record yet; its stored structure has two
     page = admin_client.get(change_url(runs.completed)).content.decode()
     assert "not registered in this process" in page
 

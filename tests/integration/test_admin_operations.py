@@ -555,7 +555,7 @@ def test_timeline_shows_each_annotation_once_and_pages(admin_client, kernel) -> 
     assert all(e.label != "annotation:created" for e in timeline.entries)
     for i in range(5):
         kernel.annotations.attach(run_id, {f"ops.k{i}": i})
-    from django_workflows.admin import runs as run_admin
+    from django_workflows.admin import run_page as run_admin
 
     old = run_admin.TIMELINE_PAGE
     run_admin.TIMELINE_PAGE = 3

@@ -794,3 +794,49 @@ def test_the_check_warns_when_a_definition_claims_a_version_whose_stages_it_lack
         assert check_definition_versions() == []
     finally:
         registry.unregister("deploy")
+
+
+@pytest.mark.parametrize("changed", [v2_removed, v2_added], ids=lambda f: f.__name__)
+def test_a_finished_run_of_an_old_version_shows_its_own_progress_and_no_wait(
+    admin_client: Any, kernel_for: Any, changed: Any
+) -> None:
+    """After a deploy of a new version, a COMPLETED v1 run shows "3 / 3" (its own stored
+    structure, not today's 2 or 4 stages) and no "only a worker with version ..." text, in the
+    list and on the run page (issue 17)."""
+    old = kernel_for(v1())
+    run_id = old.dispatch(CreateRun("deploy", {"value": 0})).workflow_run_id
+    assert run_to_completion(old, run_id).status == Status.COMPLETED
+    new = changed()
+    registry.register(new)  # the new deploy's definition is the loaded one
+    try:
+        listing = admin_client.get(
+            reverse("admin:django_workflows_workflowrun_changelist")
+        ).content.decode()
+        page = admin_client.get(
+            reverse("admin:django_workflows_workflowrun_change", args=[run_id])
+        ).content.decode()
+    finally:
+        registry.unregister("deploy")
+    for html in (listing, page):
+        assert "3 / 3" in html
+        assert f"/ {len(new.stages)}<" not in html
+        assert "only a worker with version" not in html
+        assert "waiting for a worker" not in html
+    assert v1().version in page
+
+
+def test_the_progress_of_a_run_comes_from_its_stored_structure(kernel_for: Any) -> None:
+    from django_workflows.waiting import run_progress
+
+    old = kernel_for(v1())
+    run_id = old.dispatch(CreateRun("deploy", {"value": 0})).workflow_run_id
+    old.dispatch(ClaimPendingRuns("old"))
+    process_available_jobs(old, "old", max_jobs=1)
+    registry.register(v2_added())
+    try:
+        run = WorkflowRun.objects.get(pk=run_id)
+        assert run_progress(run) == (1, 3)  # s1 done of v1's three, not v2's four
+        assert run_to_completion(old, run_id).status == Status.COMPLETED
+        assert run_progress(WorkflowRun.objects.get(pk=run_id)) == (3, 3)
+    finally:
+        registry.unregister("deploy")

@@ -165,7 +165,8 @@ def test_operating_an_orphaned_schedule_says_it_is_orphaned() -> None:
         with pytest.raises(CommandError) as info:
             run(*args)
         assert str(info.value) == (
-            "name: schedule 'cmd-hourly' is orphaned (its definition is gone from code); it "
-            f"cannot be {verb} until a deploy defines it again"
+            "Schedule 'cmd-hourly' is orphaned (its definition is gone from code); it "
+            f"cannot be {verb} until a deploy defines it again (pausing it is still "
+            "possible: workflows_schedule pause cmd-hourly)"
         )
     assert WorkflowRun.objects.count() == 0

@@ -14,6 +14,7 @@ import pytest
 
 from django_workflows import (
     ScheduleDefinitionError,
+    ScheduleOrphanedError,
     backfill_schedule,
     define_schedule,
     define_stage,
@@ -460,8 +461,26 @@ def test_sync_updates_changed_definitions_and_orphans_removed_ones() -> None:
     assert sync_schedules(kernel).orphaned == ["hourly"]
     row.refresh_from_db()
     assert row.orphaned and row.paused and row.pause_reason == ORPHANED
-    with pytest.raises(InvalidCommandError, match="orphaned"):
-        resume_schedule("hourly", kernel=kernel)
+    for operation, action in (
+        (lambda: resume_schedule("hourly", kernel=kernel), "resumed"),
+        (lambda: trigger_schedule("hourly", kernel=kernel), "triggered"),
+        (
+            lambda: backfill_schedule(
+                "hourly",
+                datetime(2025, 6, 1, tzinfo=UTC),
+                datetime(2025, 6, 1, 3, tzinfo=UTC),
+                kernel=kernel,
+            ),
+            "backfilled",
+        ),
+    ):
+        with pytest.raises(ScheduleOrphanedError) as caught:
+            operation()
+        assert (caught.value.name, caught.value.action) == ("hourly", action)
+        assert not isinstance(caught.value, InvalidCommandError)  # a state, not a bad field
+        assert f"cannot be {action} until a deploy defines it again" in str(caught.value)
+    assert not WorkflowRun.objects.exists()
+    assert pause_schedule("hourly", kernel=kernel) is False  # pausing an orphan is allowed
     kernel.registry.register_schedule(hourly)
     sync_schedules(kernel)
     row.refresh_from_db()
@@ -615,3 +634,50 @@ def test_a_broken_schedule_does_not_stop_the_others(monkeypatch: pytest.MonkeyPa
     kernel.clock.advance(60)
     result = fire_due_schedules(kernel)
     assert (result.errors, result.started) == (1, 1)
+
+
+def test_the_operator_operations_are_dispatched_kernel_commands() -> None:
+    """pause/resume/trigger/backfill go through ``kernel.dispatch`` (ARCHITECTURE §1): each
+    public function dispatches its command, and the commands give the same results."""
+    from django_workflows.kernel import (
+        BackfillSchedule,
+        PauseSchedule,
+        ResumeSchedule,
+        TriggerSchedule,
+    )
+
+    start = datetime(2025, 6, 2, 9, 30, tzinfo=UTC)
+    kernel = _kernel(start, define_schedule("ops", "nightly", cron="0 * * * *", input={"value": 1}))
+    sync_schedules(kernel)
+    seen: list[Any] = []
+    dispatch = kernel.dispatch
+
+    def spy(command: Any) -> Any:
+        seen.append(type(command).__name__)
+        return dispatch(command)
+
+    kernel.dispatch = spy  # type: ignore[method-assign]
+    assert pause_schedule("ops", "maintenance", kernel=kernel) is True
+    assert resume_schedule("ops", kernel=kernel) is True
+    run_id = trigger_schedule("ops", kernel=kernel, actor="ann")
+    done = backfill_schedule(
+        "ops", start - timedelta(hours=2), start - timedelta(minutes=1), kernel=kernel
+    )
+    assert [n for n in seen if n != "CreateRun"] == [
+        "PauseSchedule",
+        "ResumeSchedule",
+        "TriggerSchedule",
+        "BackfillSchedule",
+    ]
+    assert WorkflowRun.objects.filter(pk=run_id).exists() and len(done.run_ids) == 2
+    kernel.dispatch = dispatch  # type: ignore[method-assign]
+    assert kernel.dispatch(PauseSchedule("ops", "again")).changed is True
+    assert kernel.dispatch(PauseSchedule("ops")).changed is False
+    assert kernel.dispatch(ResumeSchedule("ops")).changed is True
+    again = kernel.dispatch(BackfillSchedule("ops", start - timedelta(hours=2), start))
+    assert (again.run_ids, again.existing, again.name) == ([], 2, "ops")
+    kernel.clock.advance(1)  # type: ignore[attr-defined]
+    triggered = kernel.dispatch(TriggerSchedule("ops"))
+    assert triggered.name == "ops" and WorkflowRun.objects.count() == 4
+    with pytest.raises(ScheduleNotFoundError):
+        kernel.dispatch(PauseSchedule("nope"))

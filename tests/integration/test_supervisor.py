@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -110,6 +111,7 @@ def test_an_idle_process_costs_one_query_per_supervisor_interval(
 ) -> None:
     """No live run: the ticker duty takes no lease and asks one query per
     ``SUPERVISOR_INTERVAL_SECONDS`` (none in between); :meth:`poke` makes it look at once.
+    The first look also reads the schedule rows' hashes once (the start-up sync).
     """
     kernel = kernel_for(two_stage())
     duty = _duty(kernel, "idle")
@@ -122,8 +124,51 @@ def test_an_idle_process_costs_one_query_per_supervisor_interval(
     duty.poke()
     with CaptureQueriesContext(connection) as poked:
         duty.run(0.6)
-    assert (len(first), len(between), len(second), len(poked)) == (1, 0, 1, 1)
+    assert (len(first), len(between), len(second), len(poked)) == (2, 0, 1, 1)
     assert duty.holding is False and not MaintenanceLease.objects.exists()
+
+
+def test_a_schedule_deployed_to_an_idle_process_gets_its_row_and_fires(
+    kernel_for: Callable[..., Kernel], clock: FakeClock
+) -> None:
+    """Nothing is live and the schedule has no row: the duty's first look syncs it (issue 17:
+    no tick ran, so it never fired), it is due one interval later, the duty takes the ticker
+    and the tick fires it. A row of another deploy's schedule is not orphaned by it."""
+    from django_workflows import define_schedule
+    from django_workflows.models import WorkflowSchedule
+
+    kernel = kernel_for(two_stage("nightly"))
+    kernel.registry.register_schedule(
+        define_schedule("often", "nightly", every=5, input={"value": 1})
+    )
+    WorkflowSchedule.objects.create(
+        name="theirs",
+        workflow_id="other",
+        every_seconds=60,
+        created_at=clock.now(),
+        updated_at=clock.now(),
+        anchor=clock.now(),
+    )
+    duty = _duty(kernel, "idle")
+    duty.run(0.0)
+    row = WorkflowSchedule.objects.get(pk="often")
+    assert clock.now() < row.next_fire_at <= clock.now() + timedelta(seconds=5)
+    assert not WorkflowSchedule.objects.get(pk="theirs").orphaned
+    assert duty.holding is False and not WorkflowRun.objects.exists()
+    clock.advance((row.next_fire_at - clock.now()).total_seconds())
+    duty.run(0.5)  # the next look: a schedule is due -> take the ticker and tick
+    assert duty.holding is True and duty.ticks == 1
+    assert WorkflowRun.objects.filter(workflow_id="nightly").count() == 1
+    with CaptureQueriesContext(connection) as later:
+        duty.stop()
+        fresh = _duty(kernel, "idle-2")
+        fresh.run(10.0)
+    assert fresh.schedules_synced
+    assert not [
+        q
+        for q in later.captured_queries
+        if q["sql"].startswith(("INSERT", "UPDATE")) and "workflow_schedules" in q["sql"]
+    ]
 
 
 def test_a_lease_taken_over_is_given_up_without_ticking(

@@ -21,16 +21,18 @@ from zoneinfo import ZoneInfo
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_workflows.kernel.errors import WorkflowError
+from django_workflows.kernel.commands import (
+    BackfillSchedule,
+    PauseSchedule,
+    ResumeSchedule,
+    TriggerSchedule,
+)
+from django_workflows.kernel.errors import ScheduleOrphanedError, WorkflowError
 from django_workflows.kernel.runtime import get_kernel
 from django_workflows.kernel.schedules import (
     MAX_UPCOMING,
-    backfill_schedule,
     get_schedule,
-    pause_schedule,
-    resume_schedule,
     sync_schedules,
-    trigger_schedule,
     upcoming_times,
 )
 from django_workflows.models import WorkflowSchedule
@@ -128,10 +130,10 @@ class Command(BaseCommand):
                 if row.paused:
                     self.stdout.write(f"(paused: {row.pause_reason or 'by an operator'})")
             elif action == "pause":
-                changed = pause_schedule(opts["name"], opts["reason"], kernel=kernel)
+                changed = kernel.dispatch(PauseSchedule(opts["name"], opts["reason"])).changed
                 self.stdout.write(f"paused {opts['name']}" if changed else "already paused")
             elif action == "resume":
-                changed = resume_schedule(opts["name"], kernel=kernel)
+                changed = kernel.dispatch(ResumeSchedule(opts["name"])).changed
                 row = get_schedule(opts["name"])
                 self.stdout.write(
                     f"resumed {row.name}; next fire at {format_datetime(row.next_fire_at)}"
@@ -139,19 +141,24 @@ class Command(BaseCommand):
                     else "not paused"
                 )
             elif action == "trigger":
-                run_id = trigger_schedule(opts["name"], kernel=kernel, actor="cli")
+                run_id = kernel.dispatch(TriggerSchedule(opts["name"], actor="cli")).workflow_run_id
                 self.stdout.write(self.style.SUCCESS(f"started run {run_id}"))
             else:
-                result = backfill_schedule(
-                    opts["name"],
-                    _aware(opts["start"], "--start"),
-                    _aware(opts["end"], "--end"),
-                    kernel=kernel,
+                result = kernel.dispatch(
+                    BackfillSchedule(
+                        opts["name"],
+                        _aware(opts["start"], "--start"),
+                        _aware(opts["end"], "--end"),
+                    )
                 )
                 self.stdout.write(
                     f"{len(result.times)} scheduled times: started {len(result.run_ids)} "
                     f"run{'s' if len(result.run_ids) != 1 else ''}, {result.existing} existed"
                 )
+        except ScheduleOrphanedError as exc:
+            raise CommandError(
+                f"{exc} (pausing it is still possible: workflows_schedule pause {exc.name})"
+            ) from None
         except WorkflowError as exc:
             raise CommandError(str(exc)) from None
 
