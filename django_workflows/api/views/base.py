@@ -5,13 +5,17 @@ the JSON 404 of unknown routes."""
 from __future__ import annotations
 
 import uuid
+from importlib import import_module
 from typing import Any
 
+from django.conf import settings
+from django.http import HttpRequest
 from django.urls import reverse
 from django.utils.module_loading import import_string
 from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import exceptions
 from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -81,6 +85,34 @@ def document(*, run: bool = False, **kwargs: Any) -> Any:
     return decorator
 
 
+def has_control_characters(text: str) -> bool:
+    """Whether ``text`` holds a C0 control character other than tab (NUL included) or DEL:
+    no credential, key or name of this API holds one, and PostgreSQL refuses NUL in text (a
+    ``DataError``, hence a 500, if such a value reached a query)."""
+    return any((ord(ch) < 32 and ch != "\t") or ord(ch) == 127 for ch in text)
+
+
+def screen_credentials(request: HttpRequest) -> None:
+    """Refuse credentials no authenticator could match before any of them queries with them.
+
+    * an ``Authorization`` header with a control character (a NUL in ``Token ...``): 401
+      ``authentication_failed`` (:class:`rest_framework.exceptions.AuthenticationFailed`);
+    * a session cookie (``SESSION_COOKIE_NAME``) with a control character or over 255
+      characters: the request goes on without a session (anonymous unless another credential
+      names a user), as Django treats an unknown session key.
+    """
+    header = request.META.get("HTTP_AUTHORIZATION") or ""
+    if has_control_characters(header):
+        raise exceptions.AuthenticationFailed(
+            "Invalid Authorization header: it contains a control character (such as NUL)."
+        )
+    cookie = request.COOKIES.get(settings.SESSION_COOKIE_NAME)
+    if cookie is not None and hasattr(request, "session"):
+        if has_control_characters(cookie) or len(cookie) > 255:
+            engine = import_module(settings.SESSION_ENGINE)
+            request.session = engine.SessionStore()
+
+
 class WorkflowsAPIView(APIView):
     """Base of the API views: JSON only, settings-driven authentication, permissions and
     throttles, the API's exception handler and the body size limit (before parsing).
@@ -111,6 +143,7 @@ class WorkflowsAPIView(APIView):
         return exception_handler
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        screen_credentials(request._request)
         check_body_size(request._request)
         super().initial(request, *args, **kwargs)
 

@@ -48,7 +48,9 @@ from .base import (
 def _json_query_value(raw: str) -> Any:
     """The ``value=`` filter as JSON when it parses as such, else the string itself. ``NaN``,
     ``Infinity`` and numbers beyond a float's range (``1e999``) stay strings: no annotation can
-    hold them (values are checked on write) and PostgreSQL's ``jsonb`` refuses them (a 500)."""
+    hold them (values are checked on write) and PostgreSQL's ``jsonb`` refuses them (a 500).
+    So do JSON strings holding a NUL (``"\\u0000"``) or a lone surrogate (``"\\ud800"``),
+    which no annotation holds either and no text column can store."""
 
     def not_json(text: str) -> Any:
         raise ValueError(text)
@@ -60,9 +62,12 @@ def _json_query_value(raw: str) -> Any:
         return number
 
     try:
-        return json.loads(raw, parse_constant=not_json, parse_float=finite)
+        value = json.loads(raw, parse_constant=not_json, parse_float=finite)
+        text = json.dumps(value, ensure_ascii=False)
+        text.encode("utf-8")  # a lone surrogate: UnicodeEncodeError (a ValueError)
     except ValueError:
         return raw
+    return raw if "\\u0000" in text else value
 
 
 class RunListView(WorkflowsAPIView):

@@ -22,6 +22,7 @@ from .base import (
     WorkflowsAPIView,
     _errors,
     document,
+    has_control_characters,
 )
 
 SCHEDULE_NAME = OpenApiParameter(
@@ -70,7 +71,11 @@ def _schedule_document(view: WorkflowsAPIView, row: Any, *, upcoming: bool = Fal
 def _get_schedule(name: str) -> Any:
     from ...models import WorkflowSchedule
 
-    row = WorkflowSchedule.objects.filter(pk=name[:200]).first()
+    row = (
+        None
+        if has_control_characters(name)  # no schedule name holds one; PostgreSQL refuses NUL
+        else WorkflowSchedule.objects.filter(pk=name[:200]).first()
+    )
     if row is None:
         raise APIError(f"Schedule {name[:200]!r} not found.", code="not_found", status_code=404)
     return row
