@@ -1,6 +1,8 @@
 """Schemathesis against the generated OpenAPI schema, in process through the WSGI app: a
-bounded number of generated requests per operation, with zero server errors and every
-response conforming to the schema (status code, content type, body)."""
+bounded number of generated requests per operation, with every built-in check of schemathesis
+(server errors, status code / content type / headers / body conformance, negative data
+rejected, positive data accepted, missing required headers, unsupported methods, ``Allow``
+headers, ignored auth, use after free, resource availability, object-level authorization)."""
 
 from __future__ import annotations
 
@@ -15,12 +17,8 @@ from django.core.wsgi import get_wsgi_application
 from django.db import close_old_connections
 from hypothesis import HealthCheck, settings
 from rest_framework.authtoken.models import Token
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (
-    content_type_conformance,
-    response_schema_conformance,
-    status_code_conformance,
-)
+from schemathesis.checks import CHECKS as REGISTERED_CHECKS
+from schemathesis.checks import is_check_class, load_all_checks
 
 from django_workflows import start_run
 
@@ -30,12 +28,9 @@ pytestmark = pytest.mark.django_db
 
 #: Generated requests per operation.
 EXAMPLES_PER_OPERATION = 25
-CHECKS = [
-    not_a_server_error,
-    status_code_conformance,
-    content_type_conformance,
-    response_schema_conformance,
-]
+load_all_checks()
+#: Every built-in check (schemathesis' ``--checks all``).
+CHECKS = [check for check in REGISTERED_CHECKS.get_all() if not is_check_class(check)]
 RUN_COUNTS: Counter[str] = Counter()
 
 
@@ -74,6 +69,19 @@ def auth(db: Any) -> dict[str, str]:
     start_run("api-two-stage", {"value": 1})  # something to list
     token, _ = Token.objects.get_or_create(user=user)
     return {"Authorization": f"Token {token.key}"}
+
+
+def test_every_built_in_check_runs() -> None:
+    names = {check.__name__ for check in CHECKS}
+    assert {
+        "not_a_server_error",
+        "negative_data_rejection",
+        "positive_data_acceptance",
+        "unsupported_method",
+        "ignored_auth",
+        "missing_required_header",
+    } <= names
+    assert len(names) >= 14
 
 
 @schema.parametrize()

@@ -165,8 +165,23 @@ class WorkflowsAPIView(APIView):
         return dict(serializer.validated_data)
 
     def query(self, serializer_class: type[s.serializers.Serializer]) -> dict[str, Any]:
-        """The validated query string."""
-        serializer = serializer_class(data=self.request.query_params)
+        """The validated query string. A parameter given empty (``?workflow_id=``) is an
+        error unless its field allows blank text: DRF would take it as absent, which the
+        schema does not say (and a client's empty filter meant something)."""
+        params = self.request.query_params
+        fields = serializer_class().fields
+        empty = {
+            name: ["must not be empty"]
+            for name, values in params.lists()
+            if name in fields and "" in values and not getattr(fields[name], "allow_blank", False)
+        }
+        if empty:
+            raise APIError(
+                "; ".join(f"{name}: must not be empty" for name in empty),
+                code="invalid",
+                errors=empty,
+            )
+        serializer = serializer_class(data=params)
         serializer.is_valid(raise_exception=True)
         return dict(serializer.validated_data)
 

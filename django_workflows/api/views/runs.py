@@ -8,7 +8,6 @@ from typing import Any
 
 from django.db.models import Exists, OuterRef, QuerySet
 from django.urls import NoReverseMatch, reverse
-from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
 from rest_framework import status as http
 from rest_framework.request import Request
@@ -35,6 +34,7 @@ from ...runs import run_error, waiting_reasons
 from .. import serializers as s
 from ..errors import APIError, kernel_error
 from ..pagination import RunCursorPagination
+from ..schema import IDEMPOTENCY_KEY_SCHEMA
 from .base import (
     _BODY_ERRORS,
     RUN_LIST_FIELDS,
@@ -125,7 +125,7 @@ class RunListView(WorkflowsAPIView):
         parameters=[
             OpenApiParameter(
                 "Idempotency-Key",
-                OpenApiTypes.STR,
+                IDEMPOTENCY_KEY_SCHEMA,
                 OpenApiParameter.HEADER,
                 description="repeat a request safely: the same key and body return the same "
                 "run (200); the same key with another body is a 409",
