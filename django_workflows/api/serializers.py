@@ -400,7 +400,6 @@ class RunErrorSerializer(serializers.Serializer):
 class RunDetailSerializer(RunSerializer):
     """A run with its stages, data, error and what it waits for."""
 
-    version = serializers.IntegerField()
     input = serializers.JSONField()
     config = serializers.JSONField()
     output = serializers.JSONField(allow_null=True)

@@ -252,7 +252,6 @@ class RunDetailView(WorkflowsAPIView):
         data = {name: getattr(run, name) for name in RUN_LIST_FIELDS}
         data.update(
             url=view.url("run-detail", rid),
-            version=run.version,
             input=run.input,
             config=run.config,
             output=run.output,
