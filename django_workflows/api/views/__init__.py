@@ -6,7 +6,7 @@ write goes through ``Kernel.dispatch`` or the public helpers built on it (``anno
 
 Modules: :mod:`.base` (the view class, schema helpers, run lookup, the JSON 404),
 :mod:`.definitions`, :mod:`.runs` (list/create/detail/cancel/rerun/approve/reject),
-:mod:`.run_records` (annotations, events, logs), :mod:`.schedules`.
+:mod:`.run_records` (annotations, events, logs), :mod:`.schedules`, :mod:`.dead_letters`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .base import (
     get_run,
     parse_run_id,
 )
+from .dead_letters import DeadLetterListView, DeadLetterReplayView, DeadLetterSkipView
 from .definitions import DefinitionDetailView, DefinitionListView, definition_document
 from .run_records import RunAnnotationsView, RunEventsView, RunLogsView
 from .runs import (
@@ -43,6 +44,9 @@ from .schedules import (
 __all__ = [
     "NAMESPACE",
     "RUN_LIST_FIELDS",
+    "DeadLetterListView",
+    "DeadLetterReplayView",
+    "DeadLetterSkipView",
     "DefinitionDetailView",
     "DefinitionListView",
     "NotFoundView",
