@@ -32,7 +32,8 @@ load_all_checks()
 
 #: 400s a schema cannot promise away: the request is well formed, but names something that
 #: does not exist (a workflow, a stage), gives a workflow an input or config its own model
-#: refuses, a cursor this API never returned, or breaks a rule between two parameters. ``{code: field paths}`` (``None``: any).
+#: refuses, a cursor this API never returned, or breaks a rule between two parameters.
+#: ``{code: field paths}`` (``None``: any).
 DATA_DEPENDENT_400 = {
     "unknown_workflow": None,
     "invalid_input": None,
