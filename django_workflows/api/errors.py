@@ -28,7 +28,8 @@ code                      status when
 ``authentication_failed`` 401/3  bad credentials
 ``permission_denied``     403    a missing model or operator permission; CSRF failure
 ``not_allowed_approver``  403    the user is not an allowed approver of the waiting stage
-``not_found``             404    unknown or malformed run id; unknown route
+``not_found``             404    unknown or malformed run id, schedule name, event id; unknown
+                                 route (also ``schema/extra``)
 ``method_not_allowed``    405
 ``not_acceptable``        406
 ``idempotency_key_reused`` 409   the key answered a different request (another body/run)
@@ -38,6 +39,7 @@ code                      status when
 ``approval_conflict``     409    the opposite decision was already recorded
 ``schedule_orphaned``     409    resume/trigger/backfill of a schedule whose definition is gone
 ``schedule_broken``       409    a trigger/backfill whose workflow or input no longer fits
+``not_a_dead_letter``     409    replay of a skipped event; skip of a delivered or retrying one
 ``request_too_large``     413    body over ``API_MAX_BODY_BYTES``
 ``unsupported_media_type`` 415   not ``application/json``
 ``throttled``             429    a throttle rate was exceeded (``Retry-After`` header)

@@ -20,10 +20,13 @@ route                           permissions
 ``POST schedules/{n}/pause|resume/`` ``pause_workflowschedule``
 ``POST schedules/{n}/trigger/``  ``trigger_workflowschedule``
 ``POST schedules/{n}/backfill/`` ``backfill_workflowschedule``
+``GET dead-letters/``           ``view_outboxevent``
+``POST dead-letters/{id}/replay/`` ``replay_outboxevent``
+``POST dead-letters/{id}/skip/``  ``skip_outboxevent``
 ==============================  =================================================
 
-The custom permissions (``cancel_``, ``rerun_``, ``approve_``, ``annotate_workflowrun``) are
-the ones the admin uses. Replace the class with ``DJANGO_WORKFLOWS["API_PERMISSION_CLASSES"]``
+The custom permissions (``cancel_``, ``rerun_``, ``approve_``, ``annotate_workflowrun``,
+``replay_``, ``skip_outboxevent``) are the ones the admin uses. Replace the class with ``DJANGO_WORKFLOWS["API_PERMISSION_CLASSES"]``
 (it can read ``view.required_permissions`` too).
 """
 

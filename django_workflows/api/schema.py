@@ -13,9 +13,11 @@ from typing import Any
 from django.utils.module_loading import import_string
 from drf_spectacular.renderers import OpenApiJsonRenderer, OpenApiYamlRenderer
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework.renderers import JSONRenderer
 from rest_framework.settings import api_settings
 
 from ..conf import workflow_settings
+from .errors import exception_handler
 
 DESCRIPTION = """Create, watch and operate django-workflows runs over HTTP.
 
@@ -36,12 +38,88 @@ def only_workflow_views(endpoints: list[tuple[Any, ...]], **kwargs: Any) -> list
     return out
 
 
+#: What the server accepts as ``Idempotency-Key`` (``RunListView.idempotency_key``): 1-255
+#: printable ASCII characters, not only spaces.
+IDEMPOTENCY_KEY_SCHEMA = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 255,
+    "pattern": "^[ -~]*[!-~][ -~]*$",
+}
+
+
+def _body_component_names() -> set[str]:
+    """Component names of the request bodies (``<Name>Request`` of every ``BodySerializer``
+    subclass: drf-spectacular's name with ``COMPONENT_SPLIT_REQUEST``)."""
+    from .serializers import BodySerializer
+
+    names: set[str] = set()
+    stack = list(BodySerializer.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        names.add(f"{cls.__name__.removesuffix('Serializer')}Request")
+    return names
+
+
+def strict_contract(result: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    """drf-spectacular postprocessing hook: say what the server enforces.
+
+    * request bodies refuse unknown members (``BodySerializer``): ``additionalProperties:
+      false`` on their components;
+    * ``GET runs/`` takes ``cursor`` (an opaque token from ``next``/``previous``) and
+      ``page_size`` (1 to ``API_MAX_PAGE_SIZE``).
+    """
+    schemas = result.get("components", {}).get("schemas", {})
+    for name in _body_component_names():
+        if name in schemas:
+            schemas[name]["additionalProperties"] = False
+    for operation in _operations(result, "runs_list"):
+        params = [
+            p for p in operation.get("parameters", []) if p["name"] not in {"cursor", "page_size"}
+        ]
+        params += [
+            {
+                "in": "query",
+                "name": "cursor",
+                "schema": {"type": "string", "minLength": 1},
+                "description": "the pagination cursor: the `cursor` of a `next` or `previous` "
+                "link (an opaque token; anything else is a 400)",
+            },
+            {
+                "in": "query",
+                "name": "page_size",
+                "schema": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "maximum": int(workflow_settings.API_MAX_PAGE_SIZE),
+                },
+                "description": "runs per page (default API_PAGE_SIZE, at most API_MAX_PAGE_SIZE)",
+            },
+        ]
+        operation["parameters"] = params
+    return result
+
+
+def _operations(result: dict[str, Any], operation_id: str) -> list[dict[str, Any]]:
+    return [
+        operation
+        for item in result.get("paths", {}).values()
+        for operation in item.values()
+        if isinstance(operation, dict) and operation.get("operationId") == operation_id
+    ]
+
+
 SCHEMA_SETTINGS = {
     "TITLE": "django-workflows API",
     "DESCRIPTION": DESCRIPTION,
     "VERSION": "1",
     "COMPONENT_SPLIT_REQUEST": True,
     "PREPROCESSING_HOOKS": ["django_workflows.api.schema.only_workflow_views"],
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "django_workflows.api.schema.strict_contract",
+    ],
     "ENUM_NAME_OVERRIDES": {
         "RunStatusEnum": "django_workflows.api.serializers.RUN_STATUSES",
         "StageStatusEnum": "django_workflows.api.serializers.STAGE_STATUSES",
@@ -51,6 +129,19 @@ SCHEMA_SETTINGS = {
 
 
 class _SettingsDriven:
+    """Authentication and permissions from the API's settings; errors in the API's JSON shape
+    (``{code, message, errors}``, ``application/json``) whatever the view's renderers are."""
+
+    def get_exception_handler(self) -> Any:
+        return exception_handler
+
+    def handle_exception(self, exc: Exception) -> Any:
+        response = super().handle_exception(exc)  # type: ignore[misc]
+        request = self.request  # type: ignore[attr-defined]
+        request.accepted_renderer = JSONRenderer()
+        request.accepted_media_type = "application/json"
+        return response
+
     def get_authenticators(self) -> list[Any]:
         paths = workflow_settings.API_AUTHENTICATION_CLASSES
         if paths is None:

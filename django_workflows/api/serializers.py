@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -37,6 +38,17 @@ class StrictCharField(serializers.CharField):
         if not isinstance(data, str):
             self.fail("invalid")
         return super().to_internal_value(data)  # type: ignore[no-any-return]
+
+
+class StrictCharFieldSchema(OpenApiSerializerFieldExtension):
+    """OpenAPI of :class:`StrictCharField`: a string without NUL (``pattern``), as enforced."""
+
+    target_class = StrictCharField
+
+    def map_serializer_field(self, auto_schema: Any, direction: Any) -> Any:
+        schema = auto_schema._map_serializer_field(self.target, direction, bypass_extensions=True)
+        schema.setdefault("pattern", "^[^\\u0000]*$")
+        return schema
 
 
 class StrictIntegerField(serializers.IntegerField):
@@ -400,7 +412,6 @@ class RunErrorSerializer(serializers.Serializer):
 class RunDetailSerializer(RunSerializer):
     """A run with its stages, data, error and what it waits for."""
 
-    version = serializers.IntegerField()
     input = serializers.JSONField()
     config = serializers.JSONField()
     output = serializers.JSONField(allow_null=True)
@@ -594,3 +605,63 @@ class ScheduleBackfillResultSerializer(serializers.Serializer):
     times = serializers.ListField(child=serializers.DateTimeField())
     run_ids = serializers.ListField(child=serializers.UUIDField(), help_text="runs started")
     existing = serializers.IntegerField(help_text="times whose run existed already")
+
+
+# --- dead letters (issue 17) ------------------------------------------------------------------
+
+
+class DeadLetterQuerySerializer(QuerySerializer):
+    after = StrictIntegerField(
+        required=False, default=0, min_value=0, max_value=2**63 - 1, help_text="an event id"
+    )
+    limit = StrictIntegerField(required=False, default=100, min_value=1, max_value=500)
+    workflow_run_id = serializers.UUIDField(required=False, help_text="only this run's")
+
+
+DEAD_LETTER_STATES = ["dead_letter", "pending", "published", "skipped"]
+
+
+class DeadLetterSerializer(serializers.Serializer):
+    """A dead-lettered outbox event (``state``: ``dead_letter`` in the list)."""
+
+    id = serializers.IntegerField(help_text="the outbox event id")
+    workflow_run_id = serializers.UUIDField()
+    sequence = serializers.IntegerField()
+    event_type = serializers.CharField()
+    occurred_at = serializers.DateTimeField()
+    dlq_at = serializers.DateTimeField(allow_null=True)
+    retry_count = serializers.IntegerField()
+    last_error = serializers.CharField(allow_null=True)
+    state = serializers.ChoiceField(choices=DEAD_LETTER_STATES)
+
+
+class DeadLetterListSerializer(serializers.Serializer):
+    results = DeadLetterSerializer(many=True)
+    next_after = serializers.IntegerField(help_text="pass as after= for the next page")
+
+
+class DeadLetterSkipSerializer(BodySerializer):
+    note = StrictCharField(max_length=2000, help_text="why it is skipped (kept on the row)")
+
+
+class DeadLetterReplayResultSerializer(serializers.Serializer):
+    event_id = serializers.IntegerField()
+    replayed = serializers.BooleanField(
+        help_text="this request re-armed it (false: it was no dead letter any more)"
+    )
+    state = serializers.ChoiceField(
+        choices=DEAD_LETTER_STATES, help_text="pending: the next outbox flush delivers it"
+    )
+
+
+class DeadLetterSkipResultSerializer(serializers.Serializer):
+    event_id = serializers.IntegerField()
+    workflow_run_id = serializers.UUIDField()
+    sequence = serializers.IntegerField()
+    event_type = serializers.CharField()
+    changed = serializers.BooleanField(help_text="false: it was already skipped")
+    skipped_at = serializers.DateTimeField()
+    note = serializers.CharField(allow_blank=True)
+    unblocked = serializers.IntegerField(
+        help_text="unpublished later events of the run (the next flush delivers them)"
+    )

@@ -18,6 +18,8 @@ route                                      what
 ``POST schedules/{name}/pause/|resume/``   pause / resume
 ``POST schedules/{name}/trigger/``         start one run now
 ``POST schedules/{name}/backfill/``        one run per scheduled time in a range
+``GET dead-letters/``                      dead-lettered outbox events
+``POST dead-letters/{id}/replay/|skip/``   replay / skip one dead letter
 ``GET schema/``, ``GET docs/``             OpenAPI 3 schema, Swagger UI
 =========================================  =======================================
 
@@ -76,6 +78,17 @@ urlpatterns = [
         "schedules/<str:name>/backfill/",
         views.ScheduleBackfillView.as_view(),
         name="schedule-backfill",
+    ),
+    path("dead-letters/", views.DeadLetterListView.as_view(), name="dead-letter-list"),
+    path(
+        "dead-letters/<str:event_id>/replay/",
+        views.DeadLetterReplayView.as_view(),
+        name="dead-letter-replay",
+    ),
+    path(
+        "dead-letters/<str:event_id>/skip/",
+        views.DeadLetterSkipView.as_view(),
+        name="dead-letter-skip",
     ),
     path("schema/", WorkflowsSchemaView.as_view(), name="schema"),
     path("docs/", WorkflowsDocsView.as_view(url_name=f"{app_name}:schema"), name="docs"),

@@ -260,6 +260,7 @@ def test_detail_with_stages_and_404s(api: Any) -> None:
     assert isinstance(first["duration_ms"], int)
     assert first["started_at"].endswith("Z")
     assert body["waiting"] == []
+    assert "version" not in body  # the row counter is not part of the API (issue 17 §3)
     assert body["links"]["admin"].endswith(f"/admin/django_workflows/workflowrun/{run_id}/change/")
 
     unknown = api.get(f"{API}runs/{uuid.uuid4()}/")
