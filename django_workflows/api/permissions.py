@@ -26,8 +26,9 @@ route                           permissions
 ==============================  =================================================
 
 The custom permissions (``cancel_``, ``rerun_``, ``approve_``, ``annotate_workflowrun``,
-``replay_``, ``skip_outboxevent``) are the ones the admin uses. Replace the class with ``DJANGO_WORKFLOWS["API_PERMISSION_CLASSES"]``
-(it can read ``view.required_permissions`` too).
+``replay_``, ``skip_outboxevent``) are the ones the admin uses. Replace the class with
+``DJANGO_WORKFLOWS["API_PERMISSION_CLASSES"]`` (it can read ``view.required_permissions``
+too).
 """
 
 from __future__ import annotations
