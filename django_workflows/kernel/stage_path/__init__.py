@@ -9,7 +9,7 @@
 * :mod:`.transition` - the run's transition rules (K-TR-1..9), applied in transaction 3.
 
 This package holds what they share: :class:`Delivery` (the token and what step 2 needs) and
-:class:`Outcome` (how a delivery ended).
+:class:`Outcome` (how a delivery ended) and :class:`_Discard`.
 """
 
 from __future__ import annotations
@@ -59,5 +59,5 @@ class Outcome:
     next: Delivery | None = None
 
 
-class Discard(Exception):
+class _Discard(Exception):
     """Raised inside the outcome transaction to roll it back: the token no longer owns the job."""

@@ -23,7 +23,7 @@ from ..locking import lock_run
 from ..outbox import append_events
 from ..services import KernelStageServices
 from ..store import stages_of, write_log
-from . import Delivery, Discard, Outcome
+from . import Delivery, Outcome, _Discard
 from .lease import _adopt_orphan, begin
 from .records import write_outcome
 from .transition import advance
@@ -56,7 +56,7 @@ def commit_outcome(
             what=f"outcome of stage {d.node.stage.id} (job {d.job.pk}, attempt {d.job.attempt})",
             on_retry=retries.append,
         )
-    except Discard:
+    except _Discard:
         if retries:  # the connection died: maybe after our COMMIT reached the database
             committed = _committed_before(d, outcome)
             if committed is not None:
@@ -84,7 +84,7 @@ def _outcome_transaction(
     queues: frozenset[str] | None = None,
 ) -> Outcome:
     """One try of transaction 3 (safe to run again: the fence makes a second commit of the
-    same outcome impossible). Raises :class:`Discard` when the token no longer owns the job.
+    same outcome impossible). Raises :class:`_Discard` when the token no longer owns the job.
     """
     job = d.job
     with transaction.atomic():
@@ -93,12 +93,12 @@ def _outcome_transaction(
             status = run.status if run is not None else "DELETED"
             error = f"Workflow run {d.run.pk} was {status} after stage execution; {_GHOST_SUFFIX}"
             if kernel.queue.fail(job.pk, error, attempt=job.attempt) is None:
-                raise Discard()  # not ours any more either: a stale delivery
+                raise _Discard()  # not ours any more either: a stale delivery
             return Outcome("ghost", error=error)
         now = kernel.clock.now()
         result = _settle_job(kernel, job, outcome, d.node.stage)
         if result is None:
-            raise Discard()
+            raise _Discard()
         stage_result, events = write_outcome(
             kernel, run, d.node, d.record, outcome, services, d.started_at, now
         )
