@@ -998,7 +998,7 @@ class WorkflowRunAdmin(CappedPaginationMixin, admin.ModelAdmin):
             log_operation(
                 request,
                 run,
-                f"{verb} stage {recorded.stage_id} (attempt {recorded.attempt})."
+                f"{verb} stage {recorded.stage_id} (generation {recorded.generation})."
                 + (f" Comment: {comment}" if comment else ""),
             )
             return (

@@ -60,7 +60,7 @@ class _BaseContext:
     workflow_id: str
     stage_id: str
     stage_record_id: str
-    attempt: int
+    generation: int
     services: StageServices
     annotations: list[AnnotationInput] = field(default_factory=list)
 
@@ -83,7 +83,7 @@ class _BaseContext:
         Forms: ``annotate("ns.key", value)``, ``annotate(TypedKey, value)`` (the value is
         type-checked) or ``annotate({"attributes": {...}, "actor": {...}, "payload": ...,
         "idempotency_key": ..., "emit_event": ...})``. ``None`` values are dropped (AN-5).
-        Rows get scope ``stage``, this stage's id, record and attempt (AN-7). A repeated
+        Rows get scope ``stage``, this stage's id, record and generation (AN-7). A repeated
         ``(key, idempotency_key)`` in the same run is written once, first write wins (AN-8).
 
         Raises:

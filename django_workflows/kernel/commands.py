@@ -269,7 +269,6 @@ class ExecuteJob:
 
     Attributes:
         config: the whole run-config map (the stage reads its own slice, WF-45).
-        attempt: the job's delivery count, for the context and logs.
     """
 
     type: ClassVar[str] = "job.execute"
@@ -278,7 +277,6 @@ class ExecuteJob:
     stage_id: str
     config: dict[str, Any] = field(default_factory=dict)
     idempotency_key: str | None = None
-    job_id: int | None = None
 
 
 @dataclass

@@ -5,7 +5,7 @@ is not RUNNING is a ghost (K-JE-3); a COMPLETED record returns its stored output
 the stage again (K-JE-5).
 
 Phase 1 (one transaction, RUNNING guard): the stage record becomes RUNNING with
-``started_at``; the previous attempt's error, suspension and progress fields are cleared
+``started_at``; the previous execution's error, suspension and progress fields are cleared
 (Part I item 9); ``stage:started`` is appended. Committed, so other readers see it.
 
 Phase 2 (no transaction): resolve the input from the previous group (WF-40/41) and run the stage
@@ -188,7 +188,7 @@ def write_outcome(
         scope="stage",
         scope_id=node.stage.id,
         stage_pk=record.pk,
-        attempt=record.attempt,
+        generation=record.generation,
     )
     return result, events
 
@@ -200,7 +200,7 @@ def start_stage(
     config: dict[str, Any],
     now: datetime,
 ) -> WorkflowStage:
-    """Phase 1's write: upsert the record to RUNNING (K-JE-6), clearing the previous attempt's
+    """Phase 1's write: upsert the record to RUNNING (K-JE-6), clearing the previous execution's
     error, suspension and progress (Part I item 9). Returns the record as written.
     """
     fields: dict[str, Any] = dict(
@@ -271,7 +271,7 @@ def run_stage(
             workflow_run_id=str(run.pk),
             stage_record_id=str(record.pk),
             stage_number=node.stage_number,
-            attempt=record.attempt,
+            generation=record.generation,
             raw_input=raw_input,
             config=config or run.config or {},
             resume_state=resume_state,

@@ -5,7 +5,7 @@ stage exists, and every earlier execution group is COMPLETED (Part I item 10, na
 that is not). Then, in one transaction: delete the records of the target group and later groups
 (their annotations survive with the stage link nulled, AN-13), delete what those stages stored in
 the blob store, reset the run to RUNNING (``started_at`` keeps the first start), create PENDING
-records of the target group with ``attempt = previous max + 1`` (the rerun generation), enqueue
+records of the target group with ``generation = previous max + 1`` (the rerun generation), enqueue
 their jobs, and append
 ``workflow:started`` with the rerun marker (``rerun``: from which stage, generation, actor,
 reason).
@@ -56,7 +56,7 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
                     f"executed successfully (stage {node.stage.id!r} in group {group} is {state})"
                 )
     deleted = [r for r in records if r.execution_group >= target]
-    attempt = max((r.attempt for r in deleted), default=0) + 1
+    generation = max((r.generation for r in deleted), default=0) + 1
     now = kernel.clock.now()
     deleted_ids = [r.stage_id for r in deleted]
     kernel.blobs.delete_stage_blobs(str(run_id), deleted_ids)
@@ -80,11 +80,13 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
     run.status = Status.RUNNING
     run.definition_version = workflow.version
     ensure_stored(workflow, now)
-    new = create_missing_stages(run, workflow.stages_in_group(target), attempt=attempt, now=now)
+    new = create_missing_stages(
+        run, workflow.stages_in_group(target), generation=generation, now=now
+    )
     enqueue_stage_jobs(kernel.queue, run, new, workflow=workflow)
     return HandlerOutput(
         RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids),
-        [ev.event(ev.WORKFLOW_STARTED, run_id, now, rerun=_marker(cmd, attempt))],
+        [ev.event(ev.WORKFLOW_STARTED, run_id, now, rerun=_marker(cmd, generation))],
     )
 
 
