@@ -77,7 +77,7 @@ class ApprovalDecision(BaseModel):
         rationale: the comment or reason (``decision.rationale``).
         decided_at: ``approval.timestamp`` (ISO-8601), else the annotation's time.
         policy_version: ``approval.policy.version`` if given.
-        generation: the stage generation the decision belongs to.
+        generation: the stage's rerun generation the decision belongs to (SM-30).
     """
 
     approved: bool

@@ -47,14 +47,11 @@ class Migration(migrations.Migration):
             old_name="attempt",
             new_name="generation",
         ),
-        migrations.RenameField(
-            model_name="workflowannotation",
-            old_name="attempt",
-            new_name="generation",
-        ),
-        # The column rename already renamed the indexed column; only the index's name changes
-        # in the database. The state also needs the index's new field list (RenameField does
-        # not rewrite Index.fields), hence the separate state operations.
+        # The database renames the index, then the column (the column rename carries the
+        # index along, on PostgreSQL and SQLite alike; renaming the index first keeps SQLite's
+        # drop-and-recreate of an index on a column that still exists). RenameField does not
+        # rewrite Index.fields in the migration state, so the state drops the old index and
+        # adds the new one instead.
         migrations.SeparateDatabaseAndState(
             database_operations=[
                 migrations.RenameIndex(
@@ -62,11 +59,21 @@ class Migration(migrations.Migration):
                     new_name="wf_ann_run_generation_idx",
                     old_name="wf_ann_run_attempt_idx",
                 ),
+                migrations.RenameField(
+                    model_name="workflowannotation",
+                    old_name="attempt",
+                    new_name="generation",
+                ),
             ],
             state_operations=[
                 migrations.RemoveIndex(
                     model_name="workflowannotation",
                     name="wf_ann_run_attempt_idx",
+                ),
+                migrations.RenameField(
+                    model_name="workflowannotation",
+                    old_name="attempt",
+                    new_name="generation",
                 ),
                 migrations.AddIndex(
                     model_name="workflowannotation",

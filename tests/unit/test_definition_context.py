@@ -69,7 +69,7 @@ def make_ctx(
         workflow_id="wf",
         stage_id="summarise",
         stage_record_id="rec-1",
-        attempt=1,
+        generation=1,
         services=services or FakeServices(),
         stage_name="Summarise",
         stage_number=2,
@@ -98,7 +98,7 @@ def test_context_carries_run_and_stage_identity() -> None:
         "summarise",
         "Summarise",
     )
-    assert (ctx.stage_number, ctx.stage_record_id, ctx.attempt) == (2, "rec-1", 1)
+    assert (ctx.stage_number, ctx.stage_record_id, ctx.generation) == (2, "rec-1", 1)
     assert ctx.input == In(value=3)
     assert ctx.resume_state is None
 
@@ -332,7 +332,7 @@ def test_completion_context_buffers_annotations_too() -> None:
         workflow_id="wf",
         stage_id="batch",
         stage_record_id="rec-2",
-        attempt=0,
+        generation=0,
         services=services,
         config={"threshold": 2},
     )
