@@ -25,12 +25,6 @@ class Result:
 
     replayed: bool = False
 
-    def matches(self, command: Any) -> bool:
-        """Whether a cached result can answer ``command`` (a replay of another command's key
-        that names a different target is refused, see ``IdempotencyKeyReusedError``).
-        """
-        return self.mismatch(command) is None
-
     def mismatch(self, command: Any) -> str | None:
         """``None`` if this cached result answers ``command``, else what differs (a phrase
         such as ``"another input"``).

@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from ..annotations import AnnotationInput
-from ..blobs import BlobNotFoundError, output_key
+from ..blobs import BlobNotFoundError
 from ..definition.workflow import StageNode, Workflow
 from ..models import (
     Status,
@@ -274,6 +274,3 @@ def insert_annotations(
         WorkflowAnnotation.objects.bulk_create(rows, ignore_conflicts=True)
     return len(rows), events
 
-
-def stage_output_key(run: WorkflowRun, stage_id: str) -> str:
-    return output_key(run.workflow_type, str(run.pk), stage_id)
