@@ -79,7 +79,6 @@ def _execute_next(kernel: Kernel, stage_id: str) -> ExecuteJobResult:
             workflow_id=job.workflow_id,
             stage_id=job.stage_id,
             config=(job.payload or {}).get("config") or {},
-            job_id=job.pk,
         )
     )
     if result.outcome == "completed":

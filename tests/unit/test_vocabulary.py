@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -171,3 +172,16 @@ def test_the_cli_takes_generation_not_attempt(command: str) -> None:
     parser = load_command_class("django_workflows", command).create_parser("manage.py", command)
     options = {a for action in parser._actions for a in action.option_strings}
     assert "--generation" in options and "--attempt" not in options
+
+
+@pytest.mark.django_db
+def test_the_openapi_schema_has_no_attempt(client: Any) -> None:
+    """The HTTP API exposes no job delivery numbers, so ``attempt`` appears nowhere in its
+    schema (fields, filters, parameters); the rerun counter is ``generation``."""
+    from tests.api.conftest import API
+
+    response = client.get(f"{API}schema/")
+    assert response.status_code == 200
+    schema = response.content.decode()
+    assert '"generation"' in schema
+    assert '"attempt"' not in schema
