@@ -64,6 +64,15 @@ class _BaseContext:
     services: StageServices
     annotations: list[AnnotationInput] = field(default_factory=list)
 
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for a missing attribute: name the rename instead of a bare AttributeError.
+        if name == "attempt":  # renamed in issue 17; a job's delivery number is not on ctx
+            raise AttributeError(
+                "ctx.attempt was renamed ctx.generation (the stage's rerun generation: 0, then "
+                "1 after the first rerun, ...)"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def log(self, level: str, message: str, **meta: Any) -> None:
         """Write a log line now (WF-17). ``level``: DEBUG, INFO, WARN or ERROR."""
         self.services.log(level.upper(), message, meta or None)

@@ -103,6 +103,17 @@ def test_context_carries_run_and_stage_identity() -> None:
     assert ctx.resume_state is None
 
 
+def test_the_old_name_of_the_rerun_generation_says_where_it_went() -> None:
+    """Issue 17 section 3: ``ctx.attempt`` is gone (no alias: ``attempt`` is only a job's
+    delivery number); reading it names ``ctx.generation``. Other missing names are plain."""
+    ctx = make_ctx()
+    with pytest.raises(AttributeError, match=r"ctx\.attempt was renamed ctx\.generation"):
+        _ = ctx.attempt
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        _ = ctx.nope
+    assert not hasattr(ctx, "attempt")
+
+
 # --- require / optional (WF-15) -----------------------------------------------------------------
 
 

@@ -57,6 +57,11 @@ ALLOWED = {
     ("django_workflows/runs.py", "attempt: int | None = None"),
     # ``first`` is the run's first WorkflowJob, leased in the transaction that advanced it.
     ("django_workflows/kernel/queue.py", "first.attempt = 1"),
+    # The message for code that still reads the old name.
+    (
+        "django_workflows/definition/context.py",
+        '"ctx.attempt was renamed ctx.generation (the stage\'s rerun generation: 0, then "',
+    ),
     # WorkflowJob.attempt itself.
     ("django_workflows/models.py", "attempt = models.PositiveIntegerField(default=0)"),
 }
