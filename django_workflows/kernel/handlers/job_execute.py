@@ -5,7 +5,7 @@ is not RUNNING is a ghost (K-JE-3); a COMPLETED record returns its stored output
 the stage again (K-JE-5).
 
 Phase 1 (one transaction, RUNNING guard): the stage record becomes RUNNING with
-``started_at``; the previous attempt's error, suspension and progress fields are cleared
+``started_at``; the previous execution's error, suspension and progress fields are cleared
 (Part I item 9); ``stage:started`` is appended. Committed, so other readers see it.
 
 Phase 2 (no transaction): resolve the input from the previous group (WF-40/41) and run the stage
