@@ -541,7 +541,7 @@ def test_attach_rejects_malformed_input_naming_the_field(
     assert _events(run_id) == []
 
 
-def test_attach_stage_scope_links_the_record_and_its_attempt(kernel_for: KernelFor) -> None:
+def test_attach_stage_scope_links_the_record_and_its_generation(kernel_for: KernelFor) -> None:
     """AN-7, AN-21: ``scope="stage"`` links the row to the stage's current record and takes
     its generation; a stage id the workflow lacks is a StageNotFoundError."""
     kernel = kernel_for(two_stage())
@@ -926,9 +926,9 @@ def test_rerun_keeps_old_annotations_unlinked_and_links_new_ones(kernel_for: Ker
     assert stage1_row.stage_record_id is not None and stage1_row.generation == 0
 
 
-def test_rerun_downstream_stage_inherits_the_new_attempt(kernel_for: KernelFor) -> None:
+def test_rerun_downstream_stage_inherits_the_new_generation(kernel_for: KernelFor) -> None:
     """AN-12 (A.14 :1019): after rerunFrom(stage1) both stages run again with generation 1;
-    stage2's annotations carry attempts [0, 1]."""
+    stage2's annotations carry generations [0, 1]."""
     kernel = kernel_for(_seen_workflow())
     run = _run(kernel)
     kernel.dispatch(RerunFrom(run.pk, "stage1"))
