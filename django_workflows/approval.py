@@ -11,7 +11,7 @@ to its run, then completes with the decision (:class:`ApprovalDecision`) as its 
 A person (or a system) decides from outside the run with :func:`approve` / :func:`reject`, or
 ``manage.py workflows_approve <run_id> --by alice`` / ``workflows_reject <run_id> --by bob
 --reason "..."``. A decision is a set of convention annotations written in one transaction on
-the waiting stage (scope ``stage``, its id and attempt, actor ``{"kind": "user", "id": by}``,
+the waiting stage (scope ``stage``, its id and generation, actor ``{"kind": "user", "id": by}``,
 ``annotation:created`` events emitted):
 
 ==========================  ================================  ==================================
@@ -24,10 +24,10 @@ key                         approve                           reject
 ``approval.policy.version`` the policy version, if any        the policy version, if any
 ==========================  ================================  ==================================
 
-The first decision of an attempt wins: a repeated identical decision is a no-op, a conflicting
+The first decision of a generation wins: a repeated identical decision is a no-op, a conflicting
 one raises :class:`ApprovalConflictError`. ``check_completion`` reads the first
-``decision.outcome`` of the stage's current attempt, so after ``run.rerunFrom`` the stage asks
-again (earlier decisions stay in the timeline with their attempt, AN-13). A rejection completes
+``decision.outcome`` of the stage's current generation, so after ``run.rerunFrom`` the stage asks
+again (earlier decisions stay in the timeline with their generation, AN-13). A rejection completes
 the stage with ``approved=False`` (the next stage decides what to do) unless the stage was made
 with ``fail_on_reject=True``, which fails stage and run with the reason (``run.error``:
 ``error_type`` ``"ApprovalRejected"``, :data:`APPROVAL_REJECTED`).
@@ -80,7 +80,7 @@ class ApprovalDecision(BaseModel):
         rationale: the comment or reason (``decision.rationale``).
         decided_at: ``approval.timestamp`` (ISO-8601), else the annotation's time.
         policy_version: ``approval.policy.version`` if given.
-        attempt: the stage attempt the decision belongs to.
+        generation: the stage's rerun generation the decision belongs to (SM-30).
     """
 
     approved: bool
@@ -91,7 +91,7 @@ class ApprovalDecision(BaseModel):
     rationale: str | None = None
     decided_at: str
     policy_version: str | None = None
-    attempt: int = 0
+    generation: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,12 +165,12 @@ def approval_stage(
         opts = settings(ctx.config)
         ctx.log(
             "INFO",
-            f"waiting for approval (stage {ctx.stage_id}, attempt {ctx.attempt})",
+            f"waiting for approval (stage {ctx.stage_id}, generation {ctx.generation})",
             allowed_approvers=list(opts.allowed_approvers) or None,
         )
         return Suspend(
             state={
-                "batch_id": f"approval:{ctx.workflow_run_id}:{ctx.stage_id}:{ctx.attempt}",
+                "batch_id": f"approval:{ctx.workflow_run_id}:{ctx.stage_id}:{ctx.generation}",
                 "kind": APPROVAL_KIND,
                 "allowed_approvers": list(opts.allowed_approvers),
             },
@@ -181,7 +181,7 @@ def approval_stage(
     def check(state: dict[str, Any], ctx: CompletionContext) -> CompletionCheck:
         opts = settings(ctx.config)
         decision = find_decision(
-            ctx.workflow_run_id, ctx.stage_id, ctx.attempt, opts.allowed_approvers
+            ctx.workflow_run_id, ctx.stage_id, ctx.generation, opts.allowed_approvers
         )
         if decision is None:
             return CompletionCheck.not_ready()
@@ -206,9 +206,9 @@ def approval_stage(
 
 
 def find_decision(
-    run_id: Any, stage_id: str, attempt: int, allowed_approvers: tuple[str, ...] = ()
+    run_id: Any, stage_id: str, generation: int, allowed_approvers: tuple[str, ...] = ()
 ) -> ApprovalDecision | None:
-    """The first decision attached to ``stage_id`` at ``attempt`` of the run, or ``None``.
+    """The first decision attached to ``stage_id`` at ``generation`` of the run, or ``None``.
 
     The first ``decision.outcome`` row whose value is ``"approved"`` or ``"rejected"`` (and,
     with ``allowed_approvers``, whose actor is one of them) decides; the other facts are taken
@@ -216,7 +216,12 @@ def find_decision(
     """
     from .kernel.annotations import list_annotations
 
-    where = {"scope": "stage", "scope_id": stage_id, "attempt": attempt, "include_legacy": False}
+    where = {
+        "scope": "stage",
+        "scope_id": stage_id,
+        "generation": generation,
+        "include_legacy": False,
+    }
     outcome_row = next(
         (
             r
@@ -250,7 +255,7 @@ def find_decision(
         rationale=facts.get(Decision.rationale.key),
         decided_at=str(facts.get(Approval.timestamp.key) or outcome_row.created_at.isoformat()),
         policy_version=facts.get(Approval.policy_version.key),
-        attempt=outcome_row.attempt,
+        generation=outcome_row.generation,
     )
 
 
@@ -258,7 +263,7 @@ def find_decision(
 
 
 class ApprovalConflictError(RunStateError):
-    """The stage already has the opposite decision for this attempt (first decision wins)."""
+    """The stage already has the opposite decision for this generation (first decision wins)."""
 
 
 @dataclass(frozen=True)
@@ -267,7 +272,7 @@ class WaitingApproval:
 
     workflow_run_id: str
     stage_id: str
-    attempt: int
+    generation: int
     allowed_approvers: tuple[str, ...]
 
 
@@ -279,7 +284,7 @@ class ApprovalRecorded:
 
     workflow_run_id: str
     stage_id: str
-    attempt: int
+    generation: int
     outcome: Outcome
     recorded: bool
 
@@ -304,7 +309,7 @@ def waiting_approvals(run_id: Any) -> list[WaitingApproval]:
                 WaitingApproval(
                     str(rid),
                     record.stage_id,
-                    record.attempt,
+                    record.generation,
                     tuple(state.get("allowed_approvers") or ()),
                 )
             )
@@ -372,8 +377,8 @@ def decide(
 
     One transaction that locks the run row: find the SUSPENDED approval stage (``stage_id``
     picks one when several wait), check the actor against its allowed approvers and any
-    earlier decision of the same attempt, then ``kernel.annotations.attach`` the decision keys
-    (table in the module docstring) with idempotency key ``approval:<stage>:<attempt>`` and
+    earlier decision of the same generation, then ``kernel.annotations.attach`` the decision keys
+    (table in the module docstring) with idempotency key ``approval:<stage>:<generation>`` and
     ``emit_event=True``. The stage resumes at its next poll.
 
     Args:
@@ -436,14 +441,14 @@ def decide(
                 f"{', '.join(target.allowed_approvers)}",
                 field="by",
             )
-        earlier = find_decision(rid, target.stage_id, target.attempt, target.allowed_approvers)
+        earlier = find_decision(rid, target.stage_id, target.generation, target.allowed_approvers)
         if earlier is not None:
             if earlier.outcome != outcome:
                 raise ApprovalConflictError(
                     f"Stage {target.stage_id!r} of run {rid} was already {earlier.outcome} by "
                     f"{earlier.decided_by or 'an unknown actor'} (the first decision wins)"
                 )
-            return ApprovalRecorded(str(rid), target.stage_id, target.attempt, outcome, False)
+            return ApprovalRecorded(str(rid), target.stage_id, target.generation, outcome, False)
         attributes: dict[Any, Any] = {
             Decision.outcome: outcome,
             Approval.timestamp: kernel.clock.now(),
@@ -458,11 +463,13 @@ def decide(
             actor={"kind": actor_kind, "id": by},
             scope="stage",
             scope_id=target.stage_id,
-            attempt=target.attempt,
-            idempotency_key=f"approval:{target.stage_id}:{target.attempt}",
+            generation=target.generation,
+            idempotency_key=f"approval:{target.stage_id}:{target.generation}",
             emit_event=True,
         )
-    return ApprovalRecorded(str(rid), target.stage_id, target.attempt, outcome, result.created > 0)
+    return ApprovalRecorded(
+        str(rid), target.stage_id, target.generation, outcome, result.created > 0
+    )
 
 
 __all__ = [

@@ -72,7 +72,7 @@ class WorkflowRun(models.Model):
     metadata = _json(null=True, blank=True)
     #: Why a FAILED run failed, written in the UPDATE that sets it FAILED (``None`` otherwise;
     #: a CANCELLED run keeps its reason in ``output["error"]``): ``{"stage_id", "message",
-    #: "error_type", "attempt", "delivery"}`` - the failed stage (``None`` when no stage
+    #: "error_type", "generation", "delivery"}`` - the failed stage (``None`` when no stage
     #: caused it), its ``error_message``, the kind of failure (an exception class name,
     #: ``StageFailed``'s ``error_type``, ``DeliveriesExhausted``, ``StuckRunReaped``,
     #: ``WorkflowNotFound``, ...), the stage's rerun generation and the job delivery it failed
@@ -122,9 +122,9 @@ class WorkflowRun(models.Model):
 class WorkflowStage(models.Model):
     """The execution record of one stage within one run (SPEC §1.3).
 
-    ``attempt`` is the rerun generation (SM-30), not a retry counter. ``output_data`` holds a
-    blob-store reference ``{"_artifactKey": ...}`` (DM-51). ``progress``/``progress_message`` are
-    written live while the stage runs (Part I item 14).
+    ``generation`` is the rerun generation (SM-30's ``attempt``), not a retry counter.
+    ``output_data`` holds a blob-store reference ``{"_artifactKey": ...}`` (DM-51).
+    ``progress``/``progress_message`` are written live while the stage runs (Part I item 14).
     """
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
@@ -136,7 +136,7 @@ class WorkflowStage(models.Model):
     stage_name = models.CharField(max_length=200)
     stage_number = models.PositiveIntegerField()
     execution_group = models.PositiveIntegerField()
-    attempt = models.PositiveIntegerField(default=0)
+    generation = models.PositiveIntegerField(default=0)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
     started_at = models.DateTimeField(null=True, blank=True)
     completed_at = models.DateTimeField(null=True, blank=True)
@@ -272,7 +272,8 @@ class WorkflowAnnotation(models.Model):
         blank=True,
         related_name="annotations",
     )
-    attempt = models.PositiveIntegerField(default=0)
+    #: The rerun generation of the stage it belongs to (AN-12; SPEC's ``attempt``).
+    generation = models.PositiveIntegerField(default=0)
     scope = models.CharField(max_length=64, default="run")
     scope_id = models.CharField(max_length=200, null=True, blank=True)
     actor_kind = models.CharField(max_length=64, null=True, blank=True)
@@ -309,7 +310,9 @@ class WorkflowAnnotation(models.Model):
             models.Index(
                 fields=["run", "actor_kind", "created_at"], name="wf_ann_run_actor_kind_idx"
             ),
-            models.Index(fields=["run", "attempt", "created_at"], name="wf_ann_run_attempt_idx"),
+            models.Index(
+                fields=["run", "generation", "created_at"], name="wf_ann_run_generation_idx"
+            ),
         ]
 
     def __str__(self) -> str:

@@ -1,7 +1,8 @@
 """The kernel's ports (K-1b): clock, blob store, job transport, event sink.
 
 Adapters: :class:`SystemClock` here, ``testing.FakeClock``; ``blobs.DatabaseBlobStore``;
-``transport.django_q.DjangoQTransport`` and ``transport.inline.InlineTransport``;
+``transport.django_q.DjangoQTransport`` and, for tests, ``transport.inline.NullTransport`` /
+``RecordingTransport``;
 ``plugins.PluginRunner``.
 """
 

@@ -55,7 +55,7 @@ def rerun_from(run_id: Any, stage_id: str, *, idempotency_key: str | None = None
 
     Deletes the records of the stage's execution group and every later group (and what those
     stages stored), sets the run RUNNING and queues the group again with the next rerun
-    ``attempt``. Returns the deleted stage ids.
+    ``generation``. Returns the deleted stage ids.
 
     Raises:
         RunNotFoundError, StageNotFoundError, WorkflowNotFoundError, RunStateError (run not
@@ -67,7 +67,7 @@ def rerun_from(run_id: Any, stage_id: str, *, idempotency_key: str | None = None
 
 def annotate_run(run_id: Any, attributes: dict[Any, Any], **options: Any) -> AttachResult:
     """Attach annotations to a run from outside a stage: ``get_kernel().annotations.attach``
-    (AN-21). ``options``: ``actor``, ``scope``, ``scope_id``, ``attempt``, ``payload``,
+    (AN-21). ``options``: ``actor``, ``scope``, ``scope_id``, ``generation``, ``payload``,
     ``idempotency_key``, ``emit_event``.
 
     Raises:
@@ -80,20 +80,20 @@ def annotate_run(run_id: Any, attributes: dict[Any, Any], **options: Any) -> Att
 def list_annotations(run_id: Any, **filters: Any) -> list[AnnotationRecord]:
     """A run's annotations, oldest first: ``get_kernel().annotations.list`` (AN-9, AN-23).
     ``filters``: ``key``, ``key_prefix``, ``scope``, ``scope_id``, ``actor_id``,
-    ``actor_kind``, ``attempt``, ``since``, ``until``, ``limit`` (default 1000).
+    ``actor_kind``, ``generation``, ``since``, ``until``, ``limit`` (default 1000).
     """
     return get_kernel().annotations.list(run_id, **filters)
 
 
 def error_details(run: WorkflowRun) -> str:
-    """``"StageFailed, attempt 0, delivery 1"``: the kind of failure and where, from
+    """``"StageFailed, generation 0, delivery 1"``: the kind of failure and where, from
     ``run.error`` (``""`` without one); shown next to :func:`run_error`.
     """
     recorded = run.__dict__.get("error")
     if not isinstance(recorded, dict):
         return ""
     parts = [str(recorded["error_type"])] if recorded.get("error_type") else []
-    for name in ("attempt", "delivery"):
+    for name in ("generation", "delivery"):
         if recorded.get(name) is not None:
             parts.append(f"{name} {recorded[name]}")
     return ", ".join(parts)

@@ -93,7 +93,7 @@ class RunResult:
         status: ``COMPLETED``, ``FAILED`` or ``CANCELLED``.
         output: the run's output (the last execution group's output, WF-34).
         error: the run's error for a FAILED run, ``{"stage_id", "message", "error_type",
-            "attempt"}`` (:func:`recorded_error`); ``None`` otherwise.
+            "generation"}`` (:func:`recorded_error`); ``None`` otherwise.
         stages: the stage snapshots of the last poll, in execution order.
         total_cost, total_tokens: the run's totals.
         duration_ms: from the run's start to its end (``None`` if it never started).
@@ -125,7 +125,7 @@ def _snapshots(run_id: Any) -> tuple[StageSnapshot, ...]:
 def recorded_error(
     run: WorkflowRun, records: Sequence[WorkflowStage] | None = None
 ) -> dict[str, Any] | None:
-    """The error of a FAILED run as ``{"stage_id", "message", "error_type", "attempt"}``:
+    """The error of a FAILED run as ``{"stage_id", "message", "error_type", "generation"}``:
     ``run.error`` when the model records it; otherwise built from the first FAILED stage
     record (``error_type`` from a ``"Name: message"`` text, else ``None``) or the run's
     ``output["error"]``. ``None`` for a run that did not fail. ``records``: the run's stage
@@ -147,14 +147,14 @@ def recorded_error(
                 "stage_id": record.stage_id,
                 "message": record.error_message,
                 "error_type": name if sep and name.isidentifier() else None,
-                "attempt": record.attempt,
+                "generation": record.generation,
             }
     output = run.output if isinstance(run.output, dict) else {}
     error = output.get("error")
     if isinstance(error, dict):
         error = error.get("message")
     if error:
-        return {"stage_id": None, "message": str(error), "error_type": None, "attempt": None}
+        return {"stage_id": None, "message": str(error), "error_type": None, "generation": None}
     return None
 
 

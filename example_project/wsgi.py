@@ -14,6 +14,9 @@ import os
 
 from django.core.wsgi import get_wsgi_application
 
+from django_workflows.wsgi import guard
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "example_project.settings_web")
 
-application = get_wsgi_application()
+# guard: a NUL in Content-Type's charset is a 400, not a bare 500 from Django's request build.
+application = guard(get_wsgi_application())

@@ -651,7 +651,7 @@ class WorkflowAnnotationAdmin(ExactSearch, ReadOnlyAdmin):
         "created_at",
         "run_link",
         "stage",
-        "attempt",
+        "generation",
         "key",
         "value_json",
         "scope_display",

@@ -373,7 +373,7 @@ class RunOperationsMixin:
             log_operation(
                 request,
                 run,
-                f"{verb} stage {recorded.stage_id} (attempt {recorded.attempt})."
+                f"{verb} stage {recorded.stage_id} (generation {recorded.generation})."
                 + (f" Comment: {comment}" if comment else ""),
             )
             return (

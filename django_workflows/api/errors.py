@@ -42,6 +42,8 @@ code                      status when
 ``not_a_dead_letter``     409    replay of a skipped event; skip of a delivered or retrying one
 ``request_too_large``     413    body over ``API_MAX_BODY_BYTES``
 ``unsupported_media_type`` 415   not ``application/json``
+``malformed_header``      400    a control character in ``Content-Type`` (answered by
+                                 :func:`django_workflows.wsgi.guard`, before Django)
 ``throttled``             429    a throttle rate was exceeded (``Retry-After`` header)
 ``server_error``          500    a bug (logged; nothing about it is sent)
 ========================= ====== =============================================================

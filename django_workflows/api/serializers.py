@@ -240,7 +240,7 @@ class AnnotationListQuerySerializer(QuerySerializer):
     )
     actor_id = StrictCharField(max_length=200, required=False)
     actor_kind = StrictCharField(max_length=64, required=False)
-    attempt = StrictIntegerField(required=False, min_value=0, max_value=INT32_MAX)
+    generation = StrictIntegerField(required=False, min_value=0, max_value=INT32_MAX)
     since = serializers.DateTimeField(required=False, help_text="created_at >= this")
     until = serializers.DateTimeField(required=False, help_text="created_at <= this")
     limit = StrictIntegerField(required=False, default=1000, min_value=1, max_value=1000)
@@ -358,7 +358,7 @@ class StageSerializer(serializers.Serializer):
     name = serializers.CharField(allow_blank=True)
     execution_group = serializers.IntegerField()
     stage_number = serializers.IntegerField()
-    attempt = serializers.IntegerField(help_text="rerun generation (0 first)")
+    generation = serializers.IntegerField(help_text="rerun generation (0 first)")
     status = serializers.ChoiceField(choices=STAGE_STATUSES)
     started_at = serializers.DateTimeField(allow_null=True)
     completed_at = serializers.DateTimeField(allow_null=True)
@@ -401,7 +401,7 @@ class RunErrorSerializer(serializers.Serializer):
         help_text="exception class, StageFailed error_type, DeliveriesExhausted, "
         "StuckRunReaped, WorkflowNotFound, ...",
     )
-    attempt = serializers.IntegerField(
+    generation = serializers.IntegerField(
         allow_null=True, required=False, help_text="the stage's rerun generation"
     )
     delivery = serializers.IntegerField(
@@ -449,7 +449,7 @@ class RerunResultSerializer(serializers.Serializer):
 class DecisionResultSerializer(serializers.Serializer):
     workflow_run_id = serializers.UUIDField()
     stage_id = serializers.CharField()
-    attempt = serializers.IntegerField()
+    generation = serializers.IntegerField()
     outcome = serializers.ChoiceField(choices=["approved", "rejected"])
     recorded = serializers.BooleanField(help_text="false: the same decision was already there")
     decided_by = serializers.CharField()
@@ -460,7 +460,7 @@ class AnnotationSerializer(serializers.Serializer):
     created_at = serializers.DateTimeField()
     workflow_run_id = serializers.UUIDField()
     stage_record_id = serializers.UUIDField(allow_null=True)
-    attempt = serializers.IntegerField()
+    generation = serializers.IntegerField()
     scope = serializers.CharField()
     scope_id = serializers.CharField(allow_null=True)
     actor_kind = serializers.CharField(allow_null=True)

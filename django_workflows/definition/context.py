@@ -60,9 +60,18 @@ class _BaseContext:
     workflow_id: str
     stage_id: str
     stage_record_id: str
-    attempt: int
+    generation: int
     services: StageServices
     annotations: list[AnnotationInput] = field(default_factory=list)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for a missing attribute: name the rename instead of a bare AttributeError.
+        if name == "attempt":  # renamed in issue 17; a job's delivery number is not on ctx
+            raise AttributeError(
+                "ctx.attempt was renamed ctx.generation (the stage's rerun generation: 0, then "
+                "1 after the first rerun, ...)"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def log(self, level: str, message: str, **meta: Any) -> None:
         """Write a log line now (WF-17). ``level``: DEBUG, INFO, WARN or ERROR."""
@@ -83,7 +92,7 @@ class _BaseContext:
         Forms: ``annotate("ns.key", value)``, ``annotate(TypedKey, value)`` (the value is
         type-checked) or ``annotate({"attributes": {...}, "actor": {...}, "payload": ...,
         "idempotency_key": ..., "emit_event": ...})``. ``None`` values are dropped (AN-5).
-        Rows get scope ``stage``, this stage's id, record and attempt (AN-7). A repeated
+        Rows get scope ``stage``, this stage's id, record and generation (AN-7). A repeated
         ``(key, idempotency_key)`` in the same run is written once, first write wins (AN-8).
 
         Raises:

@@ -119,7 +119,7 @@ class StageFailed(Exception):
     """Raise from a stage body to fail the stage on purpose, with ``message``.
 
     ``StageFailed("Duplicate SKU A-1")`` fails the stage at once - no retry, no back-off - and
-    with it the run (``run.error``: ``{"stage_id", "message", "error_type", "attempt",
+    with it the run (``run.error``: ``{"stage_id", "message", "error_type", "generation",
     "delivery"}``). The stage's ``error_message`` is ``message`` exactly.
 
     Args:

@@ -56,7 +56,7 @@ class AnnotationRecord:
     created_at: datetime
     workflow_run_id: str
     stage_record_id: str | None
-    attempt: int
+    generation: int
     scope: str
     scope_id: str | None
     actor_kind: str | None
@@ -99,7 +99,7 @@ class AnnotationRecord:
             created_at=row.created_at,
             workflow_run_id=str(row.run_id),
             stage_record_id=str(row.stage_record_id) if row.stage_record_id else None,
-            attempt=row.attempt,
+            generation=row.generation,
             scope=row.scope,
             scope_id=row.scope_id,
             actor_kind=row.actor_kind,
@@ -207,12 +207,12 @@ def _optional_str(value: Any, name: str) -> str | None:
     return value
 
 
-def _attempt(value: Any) -> int | None:
+def _generation(value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidCommandError(
-            f"attempt: expected an integer >= 0, got {value!r}", field="attempt"
+            f"generation: expected an integer >= 0, got {value!r}", field="generation"
         )
     return value
 
@@ -237,12 +237,12 @@ def _legacy_could_match(
     scope_id: Any,
     actor_id: str | None,
     actor_kind: str | None,
-    attempt: int | None,
+    generation: int | None,
 ) -> bool:
     """AN-30 (1): could the filters match a synthesised ``legacy.metadata.*`` run-scope row?"""
     if scope not in (None, "run") or scope_id not in (UNSET, None):
         return False
-    if actor_id is not None or actor_kind is not None or attempt not in (None, 0):
+    if actor_id is not None or actor_kind is not None or generation not in (None, 0):
         return False
     if key is not None:
         return key.startswith(LEGACY_METADATA_PREFIX)
@@ -287,7 +287,7 @@ def _legacy_rows(
                 created_at=created_at,
                 workflow_run_id=str(run_id),
                 stage_record_id=None,
-                attempt=0,
+                generation=0,
                 scope="run",
                 scope_id=None,
                 actor_kind=None,
@@ -307,7 +307,7 @@ _LIST_FIELDS = (
     "id",
     "created_at",
     "stage_record_id",
-    "attempt",
+    "generation",
     "scope",
     "scope_id",
     "actor_kind",
@@ -336,7 +336,7 @@ def list_annotations(
     scope_id: Any = UNSET,
     actor_id: str | None = None,
     actor_kind: str | None = None,
-    attempt: int | None = None,
+    generation: int | None = None,
     since: datetime | None = None,
     until: datetime | None = None,
     limit: int | None = DEFAULT_LIST_LIMIT,
@@ -352,7 +352,7 @@ def list_annotations(
         scope_id: equal to this; ``None`` matches rows without a scope id; leave it out (the
             ``UNSET`` default) for no filter.
         actor_id / actor_kind: equal to these.
-        attempt: the rerun generation (AN-12, AN-13).
+        generation: the rerun generation (AN-12, AN-13).
         since / until: ``created_at >= since`` / ``created_at <= until`` (aware datetimes).
         limit: at most this many rows (default 1000; ``None`` means the default).
         include_legacy: merge the legacy metadata shim's virtual rows (AN-30..AN-32).
@@ -372,7 +372,7 @@ def list_annotations(
         scope_id = _optional_str(scope_id, "scope_id")
     actor_id = _optional_str(actor_id, "actor_id")
     actor_kind = _optional_str(actor_kind, "actor_kind")
-    attempt = _attempt(attempt)
+    generation = _generation(generation)
     since = _datetime(since, "since")
     until = _datetime(until, "until")
     if limit is None:
@@ -395,8 +395,8 @@ def list_annotations(
         qs = qs.filter(actor_id=actor_id)
     if actor_kind is not None:
         qs = qs.filter(actor_kind=actor_kind)
-    if attempt is not None:
-        qs = qs.filter(attempt=attempt)
+    if generation is not None:
+        qs = qs.filter(generation=generation)
     if since is not None:
         qs = qs.filter(created_at__gte=since)
     if until is not None:
@@ -409,7 +409,7 @@ def list_annotations(
     ]
 
     if include_legacy and _legacy_could_match(
-        key, key_prefix, scope, scope_id, actor_id, actor_kind, attempt
+        key, key_prefix, scope, scope_id, actor_id, actor_kind, generation
     ):
         legacy = _legacy_rows(rid, key, key_prefix, since, until)
         if legacy:
@@ -434,7 +434,7 @@ class AnnotationsAPI:
         actor: Mapping[str, Any] | None = None,
         scope: str = "run",
         scope_id: str | None = None,
-        attempt: int | None = None,
+        generation: int | None = None,
         payload: Any = None,
         idempotency_key: str | None = None,
         emit_event: bool = False,
@@ -452,8 +452,8 @@ class AnnotationsAPI:
             actor: ``{"kind", "id", "version"}`` (any subset).
             scope: ``"run"`` (default), ``"stage"`` or a consumer scope.
             scope_id: for ``scope="stage"`` the stage id (required); the row is linked to that
-                stage's current record and gets its ``attempt``.
-            attempt: override the attempt (default: the stage record's, else 0).
+                stage's current record and gets its ``generation``.
+            generation: override the generation (default: the stage record's, else 0).
             payload: a JSON value kept with every row (not queryable, AN-10).
             idempotency_key: dedupe key per ``(run, key)``; first write wins.
             emit_event: append an ``annotation:created`` event per inserted row.
@@ -479,7 +479,7 @@ class AnnotationsAPI:
             )
         except AnnotationError as exc:
             raise _invalid(exc) from None
-        attempt = _attempt(attempt)
+        generation = _generation(generation)
         if scope == "stage" and scope_id is None:
             raise InvalidCommandError(
                 "scope_id: a stage-scope annotation needs the stage id", field="scope_id"
@@ -495,7 +495,7 @@ class AnnotationsAPI:
                 record = WorkflowStage.objects.filter(run_id=rid, stage_id=scope_id).first()
                 if record is not None:
                     stage_pk = record.pk
-                    attempt = record.attempt if attempt is None else attempt
+                    generation = record.generation if generation is None else generation
                 else:
                     workflow = kernel.registry.get(run.workflow_id)
                     if workflow is None or not workflow.has_stage(scope_id):
@@ -511,7 +511,7 @@ class AnnotationsAPI:
                 scope=scope,
                 scope_id=scope_id,
                 stage_pk=stage_pk,
-                attempt=attempt or 0,
+                generation=generation or 0,
             )
             append_events(events, idempotency_key or new_causation_id(), now)
         return AttachResult(created, len(inputs) - created)

@@ -27,12 +27,6 @@ class Result:
 
     replayed: bool = False
 
-    def matches(self, command: Any) -> bool:
-        """Whether a cached result can answer ``command`` (a replay of another command's key
-        that names a different target is refused, see ``IdempotencyKeyReusedError``).
-        """
-        return self.mismatch(command) is None
-
     def mismatch(self, command: Any) -> str | None:
         """``None`` if this cached result answers ``command``, else what differs (a phrase
         such as ``"another input"``).
@@ -251,7 +245,6 @@ class ExecuteJob:
 
     Attributes:
         config: the whole run-config map (the stage reads its own slice, WF-45).
-        attempt: the job's delivery count, for the context and logs.
     """
 
     type: ClassVar[str] = "job.execute"
@@ -260,7 +253,6 @@ class ExecuteJob:
     stage_id: str
     config: dict[str, Any] = field(default_factory=dict)
     idempotency_key: str | None = None
-    job_id: int | None = None
 
 
 @dataclass

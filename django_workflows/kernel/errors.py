@@ -123,14 +123,6 @@ class IdempotencyInProgressError(WorkflowError):
         self.command_type = command_type
 
 
-class StaleVersionError(WorkflowError):
-    """An optimistic update found another version than expected (DM-6, K-22)."""
-
-    def __init__(self, entity: str, id: object, expected: int, actual: int) -> None:
-        super().__init__(f"{entity} {id}: expected version {expected}, found {actual}")
-        self.entity, self.id, self.expected, self.actual = entity, id, expected, actual
-
-
 class RunNotRunningError(WorkflowError):
     """Internal rollback sentinel of the RUNNING guard (K-21); never escapes the kernel."""
 

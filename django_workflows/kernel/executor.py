@@ -39,7 +39,7 @@ class ExecutionInput:
     workflow_run_id: str
     stage_record_id: str
     stage_number: int
-    attempt: int
+    generation: int
     raw_input: Any
     config: dict[str, Any]
     resume_state: dict[str, Any] | None
@@ -170,7 +170,7 @@ class LocalExecutor:
                 workflow_id=execution.workflow.id,
                 stage_id=stage.id,
                 stage_record_id=execution.stage_record_id,
-                attempt=execution.attempt,
+                generation=execution.generation,
                 services=execution.services,
                 stage_name=stage.name,
                 stage_number=execution.stage_number,

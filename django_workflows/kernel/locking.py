@@ -1,4 +1,10 @@
-"""Row locks: the only module that uses ``select_for_update`` (ARCHITECTURE §3).
+"""Row locks of runs, jobs and schedules (ARCHITECTURE §3): the run lock of the RUNNING guard,
+the job lease and claim statements, the give-up scan, the schedule locks.
+
+Not the only place that locks rows: :func:`.delivery._adopt_orphan` (taking back a job a lost
+commit leased to this worker) and :mod:`.timeouts` (failing overrun jobs) lock jobs with
+``select_for_update(skip_locked=True)`` themselves; the raw statements here lock through
+:func:`.rows.select` (``lock="update"`` / ``"skip"``).
 
 On PostgreSQL these are real row locks (``FOR UPDATE``, ``SKIP LOCKED`` for claims). On SQLite
 Django ignores ``select_for_update``; there the ``IMMEDIATE`` transaction mode takes the database

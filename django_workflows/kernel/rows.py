@@ -6,7 +6,9 @@ The statements every stage runs - lock the run, lease and settle its job, update
 record, upsert its output blob, insert the next group's records and jobs, append its events,
 read the stage records and outputs - are therefore written here as SQL built once per *shape*
 (model, columns, filter) and cached, and run through Django's cursor, so they stay inside the
-caller's transaction and are counted like any other query.
+caller's transaction and are counted like any other query. The cache holds SQL *text* only:
+these are not server-side prepared statements (every execution sends the text and its
+parameters through the driver, like any ORM query; nothing is ``PREPARE``d on the server).
 
 Values go in as the ORM would send them: each is prepared by its model field
 (``field.get_db_prep_save(value, connection)``: UUIDs, datetimes, JSON columns). A value that is

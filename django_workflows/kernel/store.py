@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from ..annotations import AnnotationInput
-from ..blobs import BlobNotFoundError, output_key
+from ..blobs import BlobNotFoundError
 from ..definition.workflow import StageNode, Workflow
 from ..models import (
     Status,
@@ -42,18 +42,19 @@ def run_error(
     message: str,
     error_type: str | None,
     *,
-    attempt: int | None = None,
+    generation: int | None = None,
     delivery: int | None = None,
 ) -> dict[str, Any]:
     """The ``WorkflowRun.error`` document of a failed run (issue 11 item 2): the stage
     concerned (``None``: no stage caused it), the error message, the kind of failure, the
-    stage's rerun generation (``attempt``) and the job delivery it failed on (``delivery``).
+    stage's rerun generation (``generation``, SM-30) and the job delivery it failed on
+    (``delivery``, the job's ``attempt``, SM-31).
     """
     return {
         "stage_id": stage_id,
         "message": message,
         "error_type": error_type,
-        "attempt": attempt,
+        "generation": generation,
         "delivery": delivery,
     }
 
@@ -78,7 +79,7 @@ def create_missing_stages(
     run: WorkflowRun,
     nodes: Sequence[StageNode],
     *,
-    attempt: int,
+    generation: int,
     now: datetime,
     records: Iterable[WorkflowStage] | None = None,
 ) -> list[WorkflowStage]:
@@ -101,7 +102,7 @@ def create_missing_stages(
             stage_name=n.stage.name,
             stage_number=n.stage_number,
             execution_group=n.execution_group,
-            attempt=attempt,
+            generation=generation,
             status=Status.PENDING,
             config=config.get(n.stage.id) or {},
         )
@@ -182,7 +183,7 @@ def write_annotations(
     scope: str = "run",
     scope_id: str | None = None,
     stage_pk: uuid.UUID | None = None,
-    attempt: int = 0,
+    generation: int = 0,
 ) -> list[dict[str, Any]]:
     """Insert annotations and return the ``annotation:created`` events of the inserted inputs
     that asked for one (AN-40), in input order.
@@ -200,7 +201,7 @@ def write_annotations(
         scope=scope,
         scope_id=scope_id,
         stage_pk=stage_pk,
-        attempt=attempt,
+        generation=generation,
     )[1]
 
 
@@ -212,7 +213,7 @@ def insert_annotations(
     scope: str = "run",
     scope_id: str | None = None,
     stage_pk: uuid.UUID | None = None,
-    attempt: int = 0,
+    generation: int = 0,
 ) -> tuple[int, list[dict[str, Any]]]:
     """:func:`write_annotations` that also returns how many rows it inserted."""
     inputs = list(inputs)
@@ -240,7 +241,7 @@ def insert_annotations(
                 created_at=now,
                 run_id=run_id,
                 stage_record_id=stage_pk,
-                attempt=attempt,
+                generation=generation,
                 scope=scope,
                 scope_id=scope_id,
                 actor_kind=actor.get("kind"),
@@ -262,7 +263,7 @@ def insert_annotations(
                     value=item.value,
                     scope=scope,
                     scope_id=scope_id,
-                    attempt=attempt,
+                    generation=generation,
                     actor_kind=actor.get("kind"),
                     actor_id=actor.get("id"),
                     actor_version=actor.get("version"),
@@ -273,6 +274,3 @@ def insert_annotations(
         WorkflowAnnotation.objects.bulk_create(rows, ignore_conflicts=True)
     return len(rows), events
 
-
-def stage_output_key(run: WorkflowRun, stage_id: str) -> str:
-    return output_key(run.workflow_type, str(run.pk), stage_id)

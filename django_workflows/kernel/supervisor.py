@@ -441,9 +441,6 @@ class Supervisor:
         self._wake.set()
         return duty
 
-    def find(self, name: str) -> Duty | None:
-        return next((d for d in self.duties if d.name == name), None)
-
     def poke(self, name: str | None = None) -> None:
         """Make duty ``name`` (default: all) due now and wake the thread."""
         for duty in list(self.duties):

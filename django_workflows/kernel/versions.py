@@ -142,13 +142,6 @@ def runnable_map(registry: WorkflowRegistry) -> dict[str, list[str]]:
     return found
 
 
-def can_run(versions: dict[str, Iterable[str]], workflow_id: str, version: str) -> bool:
-    """Whether a definition set (``{workflow_id: versions}``) runs ``version`` of
-    ``workflow_id``; always ``True`` for ``""`` (unversioned: any worker takes it).
-    """
-    return not version or version in versions.get(workflow_id, ())
-
-
 # --- Advertised versions ----------------------------------------------------------------------
 
 

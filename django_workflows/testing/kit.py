@@ -288,7 +288,7 @@ class WorkflowResult:
         status: ``"COMPLETED"``, ``"FAILED"`` or ``"CANCELLED"``.
         output: the run's output (the last execution group's output, WF-34), JSON data.
         error: the run's recorded error (``run.error``: ``{"stage_id", "message",
-            "error_type", "attempt"}``) for a FAILED run; ``None`` otherwise.
+            "error_type", "generation"}``) for a FAILED run; ``None`` otherwise.
         stages: ``{stage_id: output}`` of every COMPLETED stage (JSON data).
         stage_records: the run's stage records in execution order.
         annotations: the run's annotations, oldest first

@@ -255,7 +255,7 @@ def test_detail_with_stages_and_404s(api: Any) -> None:
     assert body["status"] == "COMPLETED" and body["output"] == {"value": 12}
     first = body["stages"][0]
     assert first["stage_id"] == "first" and first["execution_group"] == 1
-    assert first["status"] == "COMPLETED" and first["attempt"] == 0
+    assert first["status"] == "COMPLETED" and first["generation"] == 0
     assert first["progress"] == 100  # a completed stage reports 100
     assert isinstance(first["duration_ms"], int)
     assert first["started_at"].endswith("Z")
@@ -427,13 +427,13 @@ def test_annotations_attach_and_list(api: Any) -> None:
     assert "acme.reviewed" not in keys(no_scope_id="true")
     assert keys(actor_id="r2") == ["acme.reviewed"]
     assert keys(actor_kind="bot") == ["acme.reviewed"]
-    assert "acme.csat" in keys(attempt=0)
-    assert keys(attempt=1) == []
+    assert "acme.csat" in keys(generation=0)
+    assert keys(generation=1) == []
     created = by_key["acme.csat"]["created_at"]
     assert "acme.csat" in keys(since=created, until=created)
     assert len(keys(limit=1)) == 1
     assert api.get(f"{API}runs/{run_id}/annotations/", {"limit": 0}).status_code == 400
-    assert api.get(f"{API}runs/{run_id}/annotations/", {"attempt": "x"}).status_code == 400
+    assert api.get(f"{API}runs/{run_id}/annotations/", {"generation": "x"}).status_code == 400
     assert api.get(f"{API}runs/{uuid.uuid4()}/annotations/").status_code == 404
 
 

@@ -283,7 +283,7 @@ def test_run_change_page_renders_each_state_read_only(admin_client, kernel):
 
 
 def test_run_change_page_shows_stages_timeline_jobs_and_json(admin_client, kernel):
-    """The completed run's page: stage inline (group, attempt, progress, duration), timeline
+    """The completed run's page: stage inline (group, generation, progress, duration), timeline
     with its events, annotations and logs, its jobs, and pretty-printed input/output."""
     runs = make_runs(kernel)
     response = admin_client.get(change_url(runs.completed))

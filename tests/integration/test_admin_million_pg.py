@@ -50,7 +50,7 @@ FROM generate_series(1, %s) AS i
 # A suspended approval stage for 1 in 10 RUNNING runs, a SUSPENDED poll stage for the others.
 STAGES_SQL = """
 INSERT INTO workflow_stages (id, created_at, updated_at, version, run_id, stage_id, stage_name,
-    stage_number, execution_group, attempt, status, suspended_state, next_poll_at,
+    stage_number, execution_group, generation, status, suspended_state, next_poll_at,
     progress_message)
 SELECT gen_random_uuid(), r.created_at, now(), 1, r.id, 'review', 'review', 1, 1, 0,
     'SUSPENDED',

@@ -344,7 +344,7 @@ def test_approve_a_waiting_approval(admin_client, kernel, clock) -> None:
         follow=True,
     )
     assert any(m.startswith("Approved stage review as admin") for m in texts(done))
-    assert history(run_id) == [f"Approved stage review (attempt 0). Comment: {SCRIPT}"]
+    assert history(run_id) == [f"Approved stage review (generation 0). Comment: {SCRIPT}"]
     drive(kernel, clock, rounds=3)
     assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED
     assert_escaped(admin_client.get(run_url(run_id)).content.decode())

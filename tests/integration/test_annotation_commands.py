@@ -154,7 +154,7 @@ def test_publish_report_approved_end_to_end(kernel: Kernel, tmp_path: Path) -> N
     review = WorkflowStage.objects.get(run_id=run_id, stage_id="review")
     assert review.status == Status.SUSPENDED
     listing = run_command("workflows_approve", run_id, "--list")
-    assert "stage review (attempt 0) waits" in listing
+    assert "stage review (generation 0) waits" in listing
 
     out = run_command("workflows_approve", run_id, "--by", "alice", "--comment", "ship it")
     assert f"stage review of run {run_id} approved" in out

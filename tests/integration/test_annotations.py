@@ -100,7 +100,7 @@ def _events(run_id: Any, event_type: str = ev.ANNOTATION_CREATED) -> list[dict[s
 
 def test_stage_annotations_persist_with_completed_stage(kernel_for: KernelFor) -> None:
     """AN-6, AN-7 (A.14 :60): annotations buffered in a stage are written with its COMPLETED
-    outcome: scope ``stage``, scope id = stage id, linked to the stage record, with its attempt.
+    outcome: scope ``stage``, scope id = stage id, linked to the stage record, with its generation.
     """
 
     def body(ctx: StageContext[Any, Any]) -> None:
@@ -114,11 +114,11 @@ def test_stage_annotations_persist_with_completed_stage(kernel_for: KernelFor) -
     rows = _rows(run.pk)
     assert [(r.key, r.value) for r in rows] == [("acme.first", 1), ("acme.second", {"n": 2})]
     for r in rows:
-        assert (r.scope, r.scope_id, r.stage_record_id, r.attempt) == (
+        assert (r.scope, r.scope_id, r.stage_record_id, r.generation) == (
             "stage",
             "annotate-me",
             record.pk,
-            record.attempt,
+            record.generation,
         )
         assert r.created_at == record.completed_at  # written in the outcome transaction
 
@@ -316,7 +316,7 @@ def test_stage_scope_ids_separate_stages(kernel_for: KernelFor) -> None:
 
 def test_stage_emit_event_emits_one_event_per_opted_in_row(kernel_for: KernelFor) -> None:
     """AN-40, EV-21 (A.14 :1132): two rows persist, only the opted-in one emits
-    ``annotation:created`` (key, value, scope, scope id, attempt), after ``stage:completed``."""
+    ``annotation:created`` (key, value, scope, scope id, generation), after ``stage:completed``."""
 
     def body(ctx: StageContext[Any, Any]) -> None:
         ctx.annotate("acme.loud", 7, emit_event=True)
@@ -328,7 +328,13 @@ def test_stage_emit_event_emits_one_event_per_opted_in_row(kernel_for: KernelFor
     events = _events(run.pk)
     assert len(events) == 1
     event = events[0]
-    assert (event["key"], event["value"], event["scope"], event["scope_id"], event["attempt"]) == (
+    assert (
+        event["key"],
+        event["value"],
+        event["scope"],
+        event["scope_id"],
+        event["generation"],
+    ) == (
         "acme.loud",
         7,
         "stage",
@@ -347,7 +353,7 @@ def test_stage_emit_event_emits_one_event_per_opted_in_row(kernel_for: KernelFor
 
 
 def test_run_create_annotations_are_run_scope_rows(kernel_for: KernelFor) -> None:
-    """AN-20, K-CR-6 (A.14 :385, :1222): three run-scope rows (attempt 0, no stage link)
+    """AN-20, K-CR-6 (A.14 :385, :1222): three run-scope rows (generation 0, no stage link)
     sharing the actor; typed keys accepted as attribute keys; one event for the opted-in entry.
     """
     kernel = kernel_for(two_stage())
@@ -372,7 +378,7 @@ def test_run_create_annotations_are_run_scope_rows(kernel_for: KernelFor) -> Non
     ]
     assert [r.actor_id for r in rows[:3]] == ["zendesk"] * 3
     for r in rows:
-        assert (r.scope, r.scope_id, r.stage_record_id, r.attempt) == ("run", None, None, 0)
+        assert (r.scope, r.scope_id, r.stage_record_id, r.generation) == ("run", None, None, 0)
     assert [e["key"] for e in _events(run_id)] == ["acme.priority"]
 
 
@@ -490,7 +496,7 @@ def test_attach_emit_event_carries_the_actor(kernel_for: KernelFor) -> None:
     )
     (event,) = _events(run_id)
     assert (event["actor_kind"], event["actor_id"], event["actor_version"]) == ("user", "bob", "1")
-    assert (event["scope"], event["attempt"]) == ("run", 0)
+    assert (event["scope"], event["generation"]) == ("run", 0)
     row = OutboxEvent.objects.get(workflow_run_id=run_id, event_type=ev.ANNOTATION_CREATED)
     assert row.causation_id == "attach-1"
 
@@ -516,7 +522,7 @@ def test_attach_to_unknown_run_raises_and_writes_nothing(kernel_for: KernelFor) 
         ({"attributes": {"acme.k": 1}, "actor": {"kind": ""}}, "actor.kind"),
         ({"attributes": {"acme.k": 1}, "scope": ""}, "scope"),
         ({"attributes": {"acme.k": 1}, "scope": "stage"}, "scope_id"),
-        ({"attributes": {"acme.k": 1}, "attempt": -1}, "attempt"),
+        ({"attributes": {"acme.k": 1}, "generation": -1}, "generation"),
         ({"attributes": ["acme.k"]}, "attributes"),
     ],
 )
@@ -537,15 +543,15 @@ def test_attach_rejects_malformed_input_naming_the_field(
 
 def test_attach_stage_scope_links_the_record_and_its_attempt(kernel_for: KernelFor) -> None:
     """AN-7, AN-21: ``scope="stage"`` links the row to the stage's current record and takes
-    its attempt; a stage id the workflow lacks is a StageNotFoundError."""
+    its generation; a stage id the workflow lacks is a StageNotFoundError."""
     kernel = kernel_for(two_stage())
     run = _run(kernel, "two-stage", input={"value": 1})
     kernel.dispatch(RerunFrom(run.pk, "add-10"))
     record = WorkflowStage.objects.get(run=run, stage_id="add-10")
-    assert record.attempt == 1
+    assert record.generation == 1
     kernel.annotations.attach(run.pk, {"review.ok": True}, scope="stage", scope_id="add-10")
     (row,) = _rows(run.pk)
-    assert (row.scope, row.scope_id, row.stage_record_id, row.attempt) == (
+    assert (row.scope, row.scope_id, row.stage_record_id, row.generation) == (
         "stage",
         "add-10",
         record.pk,
@@ -644,13 +650,15 @@ def listed(kernel_for: KernelFor, clock: FakeClock) -> tuple[Kernel, str]:
     clock.advance(1)
     kernel.annotations.attach(run_id, {"review.note": "ok"}, actor={"kind": "user", "id": "u-1"})
     clock.advance(1)
-    kernel.annotations.attach(run_id, {"acme.stage": 1}, scope="stage", scope_id="add-1", attempt=1)
+    kernel.annotations.attach(
+        run_id, {"acme.stage": 1}, scope="stage", scope_id="add-1", generation=1
+    )
     return kernel, run_id
 
 
 def test_list_returns_fields_in_created_then_id_order(listed: tuple[Kernel, str]) -> None:
     """AN-8, AN-9, AN-24 (C.4 :981, :1008, :1045; A.14 :643): rows carry key/value/payload/
-    scope/attempt/created_at; actor and scope id default to null; rows of one batch keep their
+    scope/generation/created_at; actor and scope id default to null; rows of one batch keep their
     input order; repeated calls return the same order."""
     kernel, run_id = listed
     rows = kernel.annotations.list(run_id)
@@ -661,7 +669,12 @@ def test_list_returns_fields_in_created_then_id_order(listed: tuple[Kernel, str]
         "acme.stage",
     ]
     first = rows[0]
-    assert (first.value, first.scope, first.scope_id, first.attempt) == ("approve", "run", None, 0)
+    assert (first.value, first.scope, first.scope_id, first.generation) == (
+        "approve",
+        "run",
+        None,
+        0,
+    )
     assert first.payload is None and first.idempotency_key is None
     assert first.actor == {"kind": "model", "id": "m-1"}
     assert first.actor_version is None
@@ -706,10 +719,10 @@ def test_list_filters_by_actor(listed: tuple[Kernel, str]) -> None:
 
 
 def test_list_filters_by_attempt(listed: tuple[Kernel, str]) -> None:
-    """AN-9 (A.14 :852; C.4 :1212): attempt 0 vs 1 (set explicitly through attach)."""
+    """AN-9 (A.14 :852; C.4 :1212): generation 0 vs 1 (set explicitly through attach)."""
     kernel, run_id = listed
-    assert len(kernel.annotations.list(run_id, attempt=0)) == 3
-    assert [r.key for r in kernel.annotations.list(run_id, attempt=1)] == ["acme.stage"]
+    assert len(kernel.annotations.list(run_id, generation=0)) == 3
+    assert [r.key for r in kernel.annotations.list(run_id, generation=1)] == ["acme.stage"]
 
 
 def test_list_filters_by_since_and_until(listed: tuple[Kernel, str], clock: FakeClock) -> None:
@@ -741,7 +754,7 @@ def test_list_rejects_malformed_filters_and_value_filters(listed: tuple[Kernel, 
     kernel, run_id = listed
     for filters, field in (
         ({"limit": -1}, "limit"),
-        ({"attempt": "1"}, "attempt"),
+        ({"generation": "1"}, "generation"),
         ({"since": "2026-01-01"}, "since"),
         ({"key": 5}, "key"),
     ):
@@ -790,7 +803,7 @@ def test_legacy_shim_synthesises_metadata_rows(kernel_for: KernelFor) -> None:
     for r in rows:
         assert r.synthesized
         assert r.id == f"synthesized:{run_id}:{r.key.removeprefix('legacy.metadata.')}"
-        assert (r.scope, r.scope_id, r.attempt, r.created_at) == ("run", None, 0, run.created_at)
+        assert (r.scope, r.scope_id, r.generation, r.created_at) == ("run", None, 0, run.created_at)
         assert r.actor is None and r.stage_record_id is None
     assert WorkflowAnnotation.objects.count() == 0
     assert kernel.annotations.list(run_id, include_legacy=False) == []
@@ -840,7 +853,7 @@ def test_legacy_shim_honours_key_and_prefix(kernel_for: KernelFor) -> None:
 
 
 def test_legacy_shim_skipped_for_filters_that_cannot_match(kernel_for: KernelFor) -> None:
-    """AN-30 (1) (A.14 :737): stage scope, a scope id, actor filters or attempt > 0 rule the
+    """AN-30 (1) (A.14 :737): stage scope, a scope id, actor filters or generation > 0 rule the
     virtual rows out; since/until compare with the run's created_at (AN-31)."""
     kernel = kernel_for(two_stage())
     run_id = _legacy_run(kernel, {"source": "email"})
@@ -850,12 +863,12 @@ def test_legacy_shim_skipped_for_filters_that_cannot_match(kernel_for: KernelFor
         {"scope_id": "add-1"},
         {"actor_id": "x"},
         {"actor_kind": "user"},
-        {"attempt": 1},
+        {"generation": 1},
         {"since": created + timedelta(seconds=1)},
         {"until": created - timedelta(seconds=1)},
     ):
         assert kernel.annotations.list(run_id, **filters) == [], filters
-    for filters in ({"scope": "run"}, {"scope_id": None}, {"attempt": 0}, {"since": created}):
+    for filters in ({"scope": "run"}, {"scope_id": None}, {"generation": 0}, {"since": created}):
         assert len(kernel.annotations.list(run_id, **filters)) == 1, filters
 
 
@@ -884,45 +897,45 @@ def test_legacy_shim_ignores_non_object_metadata(kernel_for: KernelFor) -> None:
 
 def _seen_workflow() -> Any:
     def body(ctx: StageContext[Any, Any]) -> None:
-        ctx.annotate("acme.seen", ctx.attempt)
+        ctx.annotate("acme.seen", ctx.generation)
 
     return _workflow(_stage("stage1", body), _stage("stage2", body))
 
 
 def test_rerun_keeps_old_annotations_unlinked_and_links_new_ones(kernel_for: KernelFor) -> None:
     """AN-12, AN-13, DM-13 (A.14 :948, C.4 :1281): after rerunFrom(stage2) the old stage2 row
-    keeps attempt 0 with its stage link nulled; the new one has attempt 1 and is linked to the
-    new record; stage1's row is untouched; ``attempt`` separates the generations."""
+    keeps generation 0 with its stage link nulled; the new one has generation 1 and is linked to the
+    new record; stage1's row is untouched; ``generation`` separates the generations."""
     kernel = kernel_for(_seen_workflow())
     run = _run(kernel)
     old = WorkflowAnnotation.objects.get(run=run, scope_id="stage2")
     stage1_row = WorkflowAnnotation.objects.get(run=run, scope_id="stage1")
     kernel.dispatch(RerunFrom(run.pk, "stage2"))
     old.refresh_from_db()
-    assert (old.attempt, old.stage_record_id) == (0, None)
+    assert (old.generation, old.stage_record_id) == (0, None)
     run = run_to_completion(kernel, run.pk)
     assert run.status == Status.COMPLETED
     new_record = WorkflowStage.objects.get(run=run, stage_id="stage2")
     rows = kernel.annotations.list(run.pk, scope_id="stage2")
-    assert [(r.attempt, r.value, r.stage_record_id) for r in rows] == [
+    assert [(r.generation, r.value, r.stage_record_id) for r in rows] == [
         (0, 0, None),
         (1, 1, str(new_record.pk)),
     ]
-    assert [r.attempt for r in kernel.annotations.list(run.pk, attempt=1)] == [1]
+    assert [r.generation for r in kernel.annotations.list(run.pk, generation=1)] == [1]
     stage1_row.refresh_from_db()
-    assert stage1_row.stage_record_id is not None and stage1_row.attempt == 0
+    assert stage1_row.stage_record_id is not None and stage1_row.generation == 0
 
 
 def test_rerun_downstream_stage_inherits_the_new_attempt(kernel_for: KernelFor) -> None:
-    """AN-12 (A.14 :1019): after rerunFrom(stage1) both stages run again with attempt 1;
+    """AN-12 (A.14 :1019): after rerunFrom(stage1) both stages run again with generation 1;
     stage2's annotations carry attempts [0, 1]."""
     kernel = kernel_for(_seen_workflow())
     run = _run(kernel)
     kernel.dispatch(RerunFrom(run.pk, "stage1"))
     run_to_completion(kernel, run.pk)
-    assert [r.attempt for r in kernel.annotations.list(run.pk, scope_id="stage2")] == [0, 1]
+    assert [r.generation for r in kernel.annotations.list(run.pk, scope_id="stage2")] == [0, 1]
     assert [r.value for r in kernel.annotations.list(run.pk, scope_id="stage1")] == [0, 1]
-    assert all(r.stage_record_id is None for r in kernel.annotations.list(run.pk, attempt=0))
+    assert all(r.stage_record_id is None for r in kernel.annotations.list(run.pk, generation=0))
 
 
 # --- typed keys from users (AN-50) -------------------------------------------------------------

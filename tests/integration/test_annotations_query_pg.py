@@ -56,7 +56,7 @@ def _bulk_insert(run_id: uuid.UUID, rows: int, start: datetime) -> None:
         cursor.execute(
             """
             INSERT INTO workflow_annotations (
-                created_at, run_id, stage_record_id, attempt, scope, scope_id,
+                created_at, run_id, stage_record_id, generation, scope, scope_id,
                 actor_kind, actor_id, actor_version, key, value, payload, idempotency_key
             )
             SELECT
@@ -100,7 +100,7 @@ def _annotation_scans(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def test_list_annotations_100k_every_filter_uses_an_index(capsys: pytest.CaptureFixture[str]):
     """AN-9, DM-16, AN-30: on a run with 100,000 annotations each filter of
     ``annotations.list`` (none, key, key prefix, scope, scope id incl. null, actor id, actor
-    kind, attempt, since, until, a window, a small limit, and the legacy-shim probe) returns
+    kind, generation, since, until, a window, a small limit, and the legacy-shim probe) returns
     the right rows in (created_at, id) order, and every query it sends reads
     ``workflow_annotations`` through an index - never a sequential scan.
     """
@@ -126,14 +126,14 @@ def test_list_annotations_100k_every_filter_uses_an_index(capsys: pytest.Capture
         ("scope_id null", {"scope_id": None}, 1000),
         ("actor_id", {"actor_id": "actor-42"}, 1000),
         ("actor_kind", {"actor_kind": "system"}, 1000),
-        ("attempt", {"attempt": 2}, 1000),
+        ("generation", {"generation": 2}, 1000),
         ("since", {"since": mid}, 1000),
         ("until", {"until": mid}, 1000),
         ("since + until (1 s window)", {"since": mid, "until": mid + timedelta(seconds=1)}, 101),
         ("limit 10", {"limit": 10}, 10),
         (
-            "key + actor_kind + attempt",
-            {"key": "trigger.field_2", "actor_kind": "user", "attempt": 1},
+            "key + actor_kind + generation",
+            {"key": "trigger.field_2", "actor_kind": "user", "generation": 1},
             -1,
         ),
     ]
@@ -155,8 +155,8 @@ def test_list_annotations_100k_every_filter_uses_an_index(capsys: pytest.Capture
                 assert r.scope_id == filters["scope_id"], label
             if "actor_kind" in filters:
                 assert r.actor_kind == filters["actor_kind"], label
-            if "attempt" in filters:
-                assert r.attempt == filters["attempt"], label
+            if "generation" in filters:
+                assert r.generation == filters["generation"], label
 
         selects = [q["sql"] for q in captured if "workflow_annotations" in q["sql"]]
         assert selects, label

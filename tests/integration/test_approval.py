@@ -80,7 +80,7 @@ def test_approval_stage_waits_then_resumes_with_the_decision(
 ) -> None:
     """The approval stage suspends (state kind ``django_workflows.approval``) and keeps polling
     while nothing is decided; ``approve`` writes decision.outcome, approval.approvers,
-    approval.timestamp and decision.rationale on the stage (scope stage, its attempt, actor
+    approval.timestamp and decision.rationale on the stage (scope stage, its generation, actor
     user:alice, one ``annotation:created`` each, AN-40, AN-51); the next poll completes the
     stage with an ApprovalDecision that the next stage receives."""
     kernel = kernel_for(_flow())
@@ -91,7 +91,7 @@ def test_approval_stage_waits_then_resumes_with_the_decision(
     assert [w.stage_id for w in waiting_approvals(run_id)] == ["review"]
 
     result = approve(run_id, by="alice", comment="looks good", kernel=kernel)
-    assert (result.stage_id, result.outcome, result.recorded, result.attempt) == (
+    assert (result.stage_id, result.outcome, result.recorded, result.generation) == (
         "review",
         "approved",
         True,
@@ -105,7 +105,7 @@ def test_approval_stage_waits_then_resumes_with_the_decision(
         "approval.approvers": ["alice"],
     }
     for r in rows:
-        assert (r.scope, r.attempt, r.actor, r.stage_record_id) == (
+        assert (r.scope, r.generation, r.actor, r.stage_record_id) == (
             "stage",
             0,
             {"kind": "user", "id": "alice"},
@@ -278,9 +278,9 @@ def test_several_waiting_approvals_need_a_stage_id(kernel_for: KernelFor, clock:
 def test_rerun_asks_again_and_keeps_the_old_decision(
     kernel_for: KernelFor, clock: FakeClock
 ) -> None:
-    """AN-12, AN-13: after ``run.rerunFrom("review")`` the stage waits again (attempt 1); the
-    earlier decision stays in the timeline with attempt 0 and no stage link, and does not
-    count for the new attempt."""
+    """AN-12, AN-13: after ``run.rerunFrom("review")`` the stage waits again (generation 1); the
+    earlier decision stays in the timeline with generation 0 and no stage link, and does not
+    count for the new generation."""
     kernel = kernel_for(_flow())
     run_id = _waiting_run(kernel, clock)
     approve(run_id, by="alice", kernel=kernel)
@@ -288,14 +288,17 @@ def test_rerun_asks_again_and_keeps_the_old_decision(
     assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED
     kernel.dispatch(RerunFrom(run_id, "review"))
     _drive(kernel, clock, rounds=2)
-    assert [(w.stage_id, w.attempt) for w in waiting_approvals(run_id)] == [("review", 1)]
+    assert [(w.stage_id, w.generation) for w in waiting_approvals(run_id)] == [("review", 1)]
     assert find_decision(run_id, "review", 1) is None
     old = kernel.annotations.list(run_id, key=Decision.outcome.key)
-    assert [(r.attempt, r.stage_record_id) for r in old] == [(0, None)]
+    assert [(r.generation, r.stage_record_id) for r in old] == [(0, None)]
     reject(run_id, by="bob", kernel=kernel)
     _drive(kernel, clock)
     assert WorkflowRun.objects.get(pk=run_id).output == {"approved": False}
-    assert [r.attempt for r in kernel.annotations.list(run_id, key=Decision.outcome.key)] == [0, 1]
+    assert [r.generation for r in kernel.annotations.list(run_id, key=Decision.outcome.key)] == [
+        0,
+        1,
+    ]
 
 
 def test_approval_deadline_fails_the_run(kernel_for: KernelFor, clock: FakeClock) -> None:

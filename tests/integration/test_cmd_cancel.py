@@ -59,7 +59,6 @@ def _execute(kernel: Kernel, job: WorkflowJob) -> ExecuteJobResult:
             workflow_id=job.workflow_id,
             stage_id=job.stage_id,
             config=(job.payload or {}).get("config") or {},
-            job_id=job.pk,
         )
     )
     return result

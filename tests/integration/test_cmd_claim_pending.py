@@ -70,7 +70,7 @@ def test_claim_pending_claims_run_and_enqueues_first_stage(
     kernel_for: KernelFor, clock: FakeClock, sink: CollectingSink
 ) -> None:
     """K-CP-1, K-CP-4, K-CP-6, SM-30, WF-45: the run is RUNNING with ``started_at``; one PENDING
-    group-1 record (attempt 0, config slice); one PENDING job with the run's priority and the
+    group-1 record (generation 0, config slice); one PENDING job with the run's priority and the
     whole config map; ``workflow:started`` follows ``workflow:created``.
     """
     kernel = kernel_for(two_stage())
@@ -91,7 +91,7 @@ def test_claim_pending_claims_run_and_enqueues_first_stage(
     assert run.version > 1
 
     stages = list(WorkflowStage.objects.filter(run_id=run_id))
-    assert [(s.stage_id, s.status, s.attempt, s.execution_group) for s in stages] == [
+    assert [(s.stage_id, s.status, s.generation, s.execution_group) for s in stages] == [
         ("add-1", Status.PENDING, 0, 1)
     ]
     assert stages[0].config == {}

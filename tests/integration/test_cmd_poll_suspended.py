@@ -110,7 +110,6 @@ def _suspend_run(kernel: Kernel, workflow_id: str = "poll-wf") -> str:
                 workflow_id=workflow_id,
                 stage_id=job.stage_id,
                 config={},
-                job_id=job.pk,
             )
         )
         assert result.outcome == "suspended"

@@ -277,7 +277,7 @@ def test_run_create_writes_run_scope_annotations(
     kernel_for: KernelFor, sink: CollectingSink
 ) -> None:
     """AN-20, K-CR-6, K-CR-7, AN-5, AN-40: one run-scope row per non-null attribute (scope
-    ``run``, no scope id, no stage link, attempt 0) sharing the entry's envelope; events are
+    ``run``, no scope id, no stage link, generation 0) sharing the entry's envelope; events are
     ``workflow:created`` then one ``annotation:created`` per opted-in row.
     """
     kernel = kernel_for(two_stage())
@@ -307,7 +307,7 @@ def test_run_create_writes_run_scope_annotations(
         assert row.scope == "run"
         assert row.scope_id is None
         assert row.stage_record_id is None
-        assert row.attempt == 0
+        assert row.generation == 0
         assert (row.actor_kind, row.actor_id, row.actor_version) == ("integration", "zendesk", "2")
     assert rows[0].payload == rows[1].payload == {"raw": {"subject": "help"}}
     assert rows[2].payload is None

@@ -80,7 +80,6 @@ def _execute_next(kernel: Kernel, stage_id: str) -> ExecuteJobResult:
             workflow_id=job.workflow_id,
             stage_id=job.stage_id,
             config=(job.payload or {}).get("config") or {},
-            job_id=job.pk,
         )
     )
     return result
@@ -201,7 +200,7 @@ def test_transition_creates_first_group_when_running_run_has_no_records(
     result = kernel.dispatch(TransitionRun(run_id))
 
     assert (result.action, result.next_group) == ("advanced", 1)
-    assert list(WorkflowStage.objects.values_list("stage_id", "status", "attempt")) == [
+    assert list(WorkflowStage.objects.values_list("stage_id", "status", "generation")) == [
         ("add-1", Status.PENDING, 0)
     ]
     assert list(WorkflowJob.objects.values_list("stage_id", "status")) == [
@@ -226,7 +225,7 @@ def test_transition_advances_to_next_group(kernel_for: KernelFor) -> None:
 
     assert result.action == "noop"
     record = WorkflowStage.objects.get(run_id=run_id, stage_id="add-10")
-    assert (record.status, record.execution_group, record.attempt) == (Status.PENDING, 2, 0)
+    assert (record.status, record.execution_group, record.generation) == (Status.PENDING, 2, 0)
     jobs = WorkflowJob.objects.filter(workflow_run_id=run_id, stage_id="add-10")
     assert [(j.status, j.attempt, j.priority) for j in jobs] == [(Status.PENDING, 0, 5)]
     assert jobs[0].payload == {"config": WorkflowRun.objects.get(pk=run_id).config}
@@ -234,16 +233,16 @@ def test_transition_advances_to_next_group(kernel_for: KernelFor) -> None:
     assert WorkflowRun.objects.get(pk=run_id).status == Status.RUNNING
 
 
-def test_transition_new_group_inherits_the_highest_attempt(kernel_for: KernelFor) -> None:
-    """K-TR-6, SM-30: the next group's records get the max ``attempt`` of the existing ones."""
+def test_transition_new_group_inherits_the_highest_generation(kernel_for: KernelFor) -> None:
+    """K-TR-6, SM-30: the next group's records get the max ``generation`` of the existing ones."""
     kernel = kernel_for(two_stage())
     run_id = _start(kernel)
     _execute_next(kernel, "add-1")
     _undo_advance(run_id, 2)
-    WorkflowStage.objects.filter(run_id=run_id, stage_id="add-1").update(attempt=2)
+    WorkflowStage.objects.filter(run_id=run_id, stage_id="add-1").update(generation=2)
 
     assert kernel.dispatch(TransitionRun(run_id)).action == "advanced"
-    assert WorkflowStage.objects.get(run_id=run_id, stage_id="add-10").attempt == 2
+    assert WorkflowStage.objects.get(run_id=run_id, stage_id="add-10").generation == 2
 
 
 def test_transition_redispatch_after_advance_is_noop(kernel_for: KernelFor) -> None:

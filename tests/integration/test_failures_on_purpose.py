@@ -40,7 +40,7 @@ class Checked(BaseModel):
 def _validating(calls: list[int], **options: Any) -> Any:
     @stage(id="validate", **options)
     def validate(ctx: StageContext[Order]) -> Checked:
-        calls.append(ctx.attempt)
+        calls.append(ctx.generation)
         dupes = sorted({s for s in ctx.input.skus if ctx.input.skus.count(s) > 1})
         if dupes:
             raise StageFailed(f"Duplicate SKU {', '.join(dupes)}", error_type="DuplicateSku")
@@ -84,7 +84,7 @@ def test_stage_failed_fails_the_stage_and_run_at_once_with_run_error(kernel_for:
         "stage_id": "validate",
         "message": "Duplicate SKU A-1",
         "error_type": "DuplicateSku",
-        "attempt": 0,
+        "generation": 0,
         "delivery": 1,
     }
     assert run.output is None
@@ -139,7 +139,7 @@ def test_retry_policy_sets_max_attempts_and_back_off_per_stage(
         "stage_id": "flaky",
         "message": "ConnectionError: supplier down",
         "error_type": "ConnectionError",
-        "attempt": 0,
+        "generation": 0,
         "delivery": 4,
     }
 
@@ -220,7 +220,7 @@ def test_workflows_status_shows_run_error_and_traceback(kernel_for: Any) -> None
     call_command("workflows_status", run_id, stdout=out)
     text = out.getvalue()
     assert "error:     stage validate: Duplicate SKU A-1" in text
-    assert "(DuplicateSku, attempt 0, delivery 1)" in text
+    assert "(DuplicateSku, generation 0, delivery 1)" in text
     assert "--traceback" in text and "Traceback (most recent call last)" not in text
 
     out = StringIO()
@@ -244,7 +244,7 @@ def test_admin_run_page_shows_run_error_at_the_top(kernel_for: Any, admin_client
     assert top < html.index('id="dw-stages"')
     assert "stage validate: Duplicate SKU A-1" in html[top:]
     assert '<span class="dw-error-details" id="dw-run-error-details">' in html
-    assert "(DuplicateSku, attempt 0, delivery 1)" in html
+    assert "(DuplicateSku, generation 0, delivery 1)" in html
     assert '<details class="dw-traceback"><summary>traceback</summary>' in html
 
 
@@ -260,7 +260,7 @@ def test_api_run_detail_has_error_detail(kernel_for: Any, admin_user: Any) -> No
         "stage_id": "validate",
         "message": "Duplicate SKU A-1",
         "error_type": "DuplicateSku",
-        "attempt": 0,
+        "generation": 0,
         "delivery": 1,
     }
 
@@ -323,7 +323,7 @@ def test_an_async_batch_failure_records_run_error(
         "stage_id": "batch",
         "message": expected,
         "error_type": error_type,
-        "attempt": 0,
+        "generation": 0,
         "delivery": None,
     }
     assert WorkflowStage.objects.get(run_id=run.pk).error_message == expected

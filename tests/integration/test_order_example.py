@@ -73,7 +73,7 @@ def test_a_duplicate_sku_fails_at_once_with_run_error(
         "stage_id": "validate",
         "message": "Duplicate SKU A-1",
         "error_type": "DuplicateSku",
-        "attempt": 0,
+        "generation": 0,
         "delivery": 1,
     }
     job = WorkflowJob.objects.get(workflow_run_id=run.pk)

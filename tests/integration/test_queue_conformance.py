@@ -463,7 +463,7 @@ def test_stage_upsert_keeps_existing_records_and_lists_in_group_order(
     kernel_for: KernelFor, clock: FakeClock
 ) -> None:
     """DM-32, EC-3, C.2 :351/:467/:491/:527/:597: ``create_missing_stages`` inserts PENDING
-    records with number, group, attempt and config slice, keeps an existing record as it is,
+    records with number, group, generation and config slice, keeps an existing record as it is,
     and ``stages_of`` orders by group then stage number, one run only."""
     wf = define_workflow(id="groups", input=Num).parallel([add(1, "a"), add(2, "b")]).pipe(add(3))
     workflow = wf.build()
@@ -473,14 +473,14 @@ def test_stage_upsert_keeps_existing_records_and_lists_in_group_order(
     run = WorkflowRun.objects.get(pk=run_id)
     run.config = {"b": {"x": 1}}
 
-    first = create_missing_stages(run, workflow.stages_in_group(1), attempt=2, now=clock.now())
+    first = create_missing_stages(run, workflow.stages_in_group(1), generation=2, now=clock.now())
     update_stage(first[0].pk, clock.now(), status=Status.COMPLETED)
-    again = create_missing_stages(run, workflow.stages_in_group(1), attempt=5, now=clock.now())
-    create_missing_stages(run, workflow.stages_in_group(2), attempt=2, now=clock.now())
+    again = create_missing_stages(run, workflow.stages_in_group(1), generation=5, now=clock.now())
+    create_missing_stages(run, workflow.stages_in_group(2), generation=2, now=clock.now())
     create_missing_stages(
         WorkflowRun.objects.get(pk=other),
         workflow.stages_in_group(1),
-        attempt=0,
+        generation=0,
         now=clock.now(),
     )
 
@@ -491,7 +491,7 @@ def test_stage_upsert_keeps_existing_records_and_lists_in_group_order(
         ("b", 1, 2),
         ("add-3", 2, 3),
     ]
-    assert [(r.status, r.attempt) for r in records] == [
+    assert [(r.status, r.generation) for r in records] == [
         (Status.COMPLETED, 2),
         (Status.PENDING, 2),
         (Status.PENDING, 2),

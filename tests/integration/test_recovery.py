@@ -113,7 +113,6 @@ def _execute(kernel: Kernel, job: WorkflowJob) -> Any:
             workflow_id=job.workflow_id,
             stage_id=job.stage_id,
             config=(job.payload or {}).get("config") or {},
-            job_id=job.pk,
         )
     )
 

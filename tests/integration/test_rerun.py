@@ -85,7 +85,9 @@ def _finished_run(kernel: Kernel, workflow_id: str = "four", value: int = 0) -> 
 
 
 def _statuses(run_id: uuid.UUID) -> dict[str, tuple[str, int]]:
-    return {s.stage_id: (s.status, s.attempt) for s in WorkflowStage.objects.filter(run_id=run_id)}
+    return {
+        s.stage_id: (s.status, s.generation) for s in WorkflowStage.objects.filter(run_id=run_id)
+    }
 
 
 def _pending_jobs(run_id: uuid.UUID) -> list[str]:
@@ -98,7 +100,7 @@ def _pending_jobs(run_id: uuid.UUID) -> list[str]:
 
 def test_rerun_deletes_and_recreates_the_target_group(kernel_for: KernelFor) -> None:
     """K-RR-3..6, SM-7, SM-17, A.5 :61, EV-11: rerun from stage 2 of 2 -> ``deleted_stages ==
-    ["add-10"]``; run RUNNING; add-10 PENDING (attempt 1); add-1 still COMPLETED; exactly one
+    ["add-10"]``; run RUNNING; add-10 PENDING (generation 1); add-1 still COMPLETED; exactly one
     new job; ``workflow:started`` appended."""
     kernel = kernel_for(two_stage())
     run_id = _finished_run(kernel, "two-stage")
@@ -120,7 +122,7 @@ def test_rerun_deletes_and_recreates_the_target_group(kernel_for: KernelFor) -> 
 
 
 def test_rerun_attempt_is_previous_max_plus_one(kernel_for: KernelFor) -> None:
-    """K-RR-5, SM-30, A.5 :100: the target stage's attempt goes 0 -> 1 -> 2 over two reruns."""
+    """K-RR-5, SM-30, A.5 :100: the target stage's generation goes 0 -> 1 -> 2 over two reruns."""
     kernel = kernel_for(two_stage())
     run_id = _finished_run(kernel, "two-stage")
     for expected in (1, 2):
@@ -132,8 +134,8 @@ def test_rerun_attempt_is_previous_max_plus_one(kernel_for: KernelFor) -> None:
 
 def test_rerun_from_the_first_stage_recreates_only_group_one(kernel_for: KernelFor) -> None:
     """K-RR-5/6, K-TR-6, SM-30, A.5 :155: rerun from stage 1 deletes both records; stage 1 is
-    PENDING with attempt 1 and a job; stage 2 is not recreated until the transition, which
-    gives it the inherited attempt 1."""
+    PENDING with generation 1 and a job; stage 2 is not recreated until the transition, which
+    gives it the inherited generation 1."""
     kernel = kernel_for(two_stage())
     run_id = _finished_run(kernel, "two-stage")
 
@@ -258,18 +260,18 @@ def test_rerun_removes_what_the_deleted_stages_stored(kernel_for: KernelFor) -> 
 
 def test_rerun_keeps_annotations_of_deleted_stages_unlinked(kernel_for: KernelFor) -> None:
     """K-RR-3, AN-13, DM-13: annotations written by a deleted stage survive the rerun with
-    their stage link cleared; the re-execution adds rows with the new attempt."""
+    their stage link cleared; the re-execution adds rows with the new generation."""
     counting = Counting()
     kernel = kernel_for(_four(counting))
     run_id = _finished_run(kernel)
     kernel.dispatch(RerunFrom(run_id, "s4"))
     old = WorkflowAnnotation.objects.get(run_id=run_id, key="test.s4")
-    assert (old.stage_record_id, old.attempt, old.value) == (None, 0, 1)
+    assert (old.stage_record_id, old.generation, old.value) == (None, 0, 1)
 
     run_to_completion(kernel, run_id)
 
     rows = WorkflowAnnotation.objects.filter(run_id=run_id, key="test.s4").order_by("id")
-    assert [(a.attempt, a.value) for a in rows] == [(0, 1), (1, 2)]
+    assert [(a.generation, a.value) for a in rows] == [(0, 1), (1, 2)]
 
 
 @pytest.mark.parametrize("state", ["pending", "running", "cancelled"])
@@ -356,7 +358,7 @@ def test_rerun_past_a_group_that_never_ran_is_refused(kernel_for: KernelFor) -> 
 
 def test_rerun_with_an_idempotency_key_replays_without_rerunning(kernel_for: KernelFor) -> None:
     """K-10, K-11, K-RR, issue 3 item 1: a second rerun with the same key returns the first
-    result and changes nothing (no new attempt, job or event), even after the run finished
+    result and changes nothing (no new generation, job or event), even after the run finished
     again; a key in progress is refused."""
     kernel = kernel_for(two_stage())
     run_id = _finished_run(kernel, "two-stage")
@@ -416,7 +418,7 @@ def _call(*args: str) -> str:
 
 def test_rerun_command_reruns_and_replays_with_a_key(global_two_stage: str) -> None:
     """K-RR-3..6, K-10, issue 3 item 1: ``workflows_rerun <run> <stage>`` prints the deleted
-    stages and the new attempt; with ``--idempotency-key`` a repeat changes nothing."""
+    stages and the new generation; with ``--idempotency-key`` a repeat changes nothing."""
     kernel = get_kernel()
     run_id = _finished_run(kernel, global_two_stage)
 
@@ -424,7 +426,7 @@ def test_rerun_command_reruns_and_replays_with_a_key(global_two_stage: str) -> N
 
     assert f"rerun of {run_id} from add-10" in out
     assert "deleted stages: add-10" in out
-    assert "attempt: 1" in out
+    assert "generation: 1" in out
     assert WorkflowRun.objects.get(pk=run_id).status == Status.RUNNING
     jobs = WorkflowJob.objects.count()
     _call(str(run_id), "add-10", "--idempotency-key", "cli-1")

@@ -188,7 +188,7 @@ def test_old_generation_delivery_finishing_after_a_rerun_is_discarded(
 
     assert late.outcome == "discarded"
     record = WorkflowStage.objects.get(run_id=run_id, stage_id="s")
-    assert (record.attempt, record.status) == (1, Status.PENDING)
+    assert (record.generation, record.status) == (1, Status.PENDING)
     assert not WorkflowBlob.objects.filter(key__endswith="/s/output.json").exists()
     process_available_jobs(kernel, "w", max_jobs=5)
     assert WorkflowRun.objects.get(pk=run_id).output == {"value": 3}

@@ -235,7 +235,7 @@ def _ctx() -> StageContext[Any, Any]:
         workflow_id="wf",
         stage_id="s",
         stage_record_id="rec",
-        attempt=0,
+        generation=0,
         services=None,  # type: ignore[arg-type]
     )
 

@@ -69,7 +69,7 @@ def make_ctx(
         workflow_id="wf",
         stage_id="summarise",
         stage_record_id="rec-1",
-        attempt=1,
+        generation=1,
         services=services or FakeServices(),
         stage_name="Summarise",
         stage_number=2,
@@ -98,9 +98,20 @@ def test_context_carries_run_and_stage_identity() -> None:
         "summarise",
         "Summarise",
     )
-    assert (ctx.stage_number, ctx.stage_record_id, ctx.attempt) == (2, "rec-1", 1)
+    assert (ctx.stage_number, ctx.stage_record_id, ctx.generation) == (2, "rec-1", 1)
     assert ctx.input == In(value=3)
     assert ctx.resume_state is None
+
+
+def test_the_old_name_of_the_rerun_generation_says_where_it_went() -> None:
+    """Issue 17 section 3: ``ctx.attempt`` is gone (no alias: ``attempt`` is only a job's
+    delivery number); reading it names ``ctx.generation``. Other missing names are plain."""
+    ctx = make_ctx()
+    with pytest.raises(AttributeError, match=r"ctx\.attempt was renamed ctx\.generation"):
+        _ = ctx.attempt
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        _ = ctx.nope
+    assert not hasattr(ctx, "attempt")
 
 
 # --- require / optional (WF-15) -----------------------------------------------------------------
@@ -332,7 +343,7 @@ def test_completion_context_buffers_annotations_too() -> None:
         workflow_id="wf",
         stage_id="batch",
         stage_record_id="rec-2",
-        attempt=0,
+        generation=0,
         services=services,
         config={"threshold": 2},
     )

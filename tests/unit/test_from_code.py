@@ -315,7 +315,7 @@ def test_require_stage_output() -> None:
         workflow_id="w",
         stage_id="s",
         stage_record_id="x",
-        attempt=0,
+        generation=0,
         services=None,  # type: ignore[arg-type]
         workflow_context={"price": Priced(cost=2), "raw": {"a": 1}, "none": None, "n": 3},
     )

@@ -62,7 +62,7 @@ class RunAnnotationsView(WorkflowsAPIView):
                 "scope_id",
                 "actor_id",
                 "actor_kind",
-                "attempt",
+                "generation",
                 "since",
                 "until",
             )

@@ -263,7 +263,7 @@ class RunDetailView(WorkflowsAPIView):
                     "name": st.stage_name,
                     "execution_group": st.execution_group,
                     "stage_number": st.stage_number,
-                    "attempt": st.attempt,
+                    "generation": st.generation,
                     "status": st.status,
                     "started_at": st.started_at,
                     "completed_at": st.completed_at,
@@ -379,7 +379,7 @@ class _DecisionView(WorkflowsAPIView):
                 {
                     "workflow_run_id": recorded.workflow_run_id,
                     "stage_id": recorded.stage_id,
-                    "attempt": recorded.attempt,
+                    "generation": recorded.generation,
                     "outcome": recorded.outcome,
                     "recorded": recorded.recorded,
                     "decided_by": by,

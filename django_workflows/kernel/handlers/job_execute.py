@@ -1,7 +1,7 @@
 """``job.execute`` (SPEC §4.6): a thin entry into the stage path (:mod:`..delivery`).
 
 It resolves the workflow, the stage and the run (errors raise, K-JE-1), picks the job of that
-(run, stage) - ``cmd.job_id``, else the stage's newest job - and delivers it the way a worker
+(run, stage) - the stage's newest job - and delivers it the way a worker
 does: :func:`..stage_path.lease.lease_job` (transaction 1: the run locked, the job leased, the
 RUNNING guard, K-JE-5, the stage started), :func:`..stage_path.execute.execute` (the body,
 no transaction), :func:`..stage_path.outcome.commit_outcome` (transaction 3: the job settled
@@ -47,8 +47,6 @@ def handle(kernel: Kernel, cmd: ExecuteJob) -> ExecuteJobResult:
     if not WorkflowRun.objects.filter(pk=run_id).exists():
         raise RunNotFoundError(run_id)
     jobs = WorkflowJob.objects.filter(workflow_run_id=run_id, stage_id=cmd.stage_id)
-    if cmd.job_id is not None:
-        jobs = jobs.filter(pk=cmd.job_id)
     job_id = jobs.order_by("-id").values_list("pk", flat=True).first()
     delivery = None
     if job_id is not None:

@@ -108,7 +108,7 @@ def start_claimed_run(
         return None
     try:
         with transaction.atomic():  # savepoint: Part I item 2
-            records = create_missing_stages(run, workflow.stages_in_group(1), attempt=0, now=now)
+            records = create_missing_stages(run, workflow.stages_in_group(1), generation=0, now=now)
             jobs = enqueue_stage_jobs(
                 kernel.queue,
                 run,

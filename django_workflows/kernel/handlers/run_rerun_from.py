@@ -6,7 +6,7 @@ that is not). Then, in one transaction: delete the records of the target group a
 (their annotations survive with the stage link nulled, AN-13), take back the run's jobs still
 out (PENDING, SUSPENDED or RUNNING with a live lease -> CANCELLED, issue 17), delete what those
 stages stored in the blob store, reset the run to RUNNING (``started_at`` keeps the first
-start), create PENDING records of the target group with ``attempt = previous max + 1`` (the rerun
+start), create PENDING records of the target group with ``generation = previous max + 1`` (the rerun
 generation), enqueue their jobs, and append
 ``workflow:started`` with the rerun marker (``rerun``: from which stage, generation, actor,
 reason).
@@ -57,7 +57,7 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
                     f"executed successfully (stage {node.stage.id!r} in group {group} is {state})"
                 )
     deleted = [r for r in records if r.execution_group >= target]
-    attempt = max((r.attempt for r in deleted), default=0) + 1
+    generation = max((r.generation for r in deleted), default=0) + 1
     now = kernel.clock.now()
     deleted_ids = [r.stage_id for r in deleted]
     # Take back every job of the old generation still out, a live lease or not (issue 17):
@@ -84,11 +84,13 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
     run.status = Status.RUNNING
     run.definition_version = workflow.version
     ensure_stored(workflow, now)
-    new = create_missing_stages(run, workflow.stages_in_group(target), attempt=attempt, now=now)
+    new = create_missing_stages(
+        run, workflow.stages_in_group(target), generation=generation, now=now
+    )
     enqueue_stage_jobs(kernel.queue, run, new, workflow=workflow)
     return HandlerOutput(
         RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids),
-        [ev.event(ev.WORKFLOW_STARTED, run_id, now, rerun=_marker(cmd, attempt))],
+        [ev.event(ev.WORKFLOW_STARTED, run_id, now, rerun=_marker(cmd, generation))],
     )
 
 

@@ -114,7 +114,7 @@ def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
         workflow_id=run.workflow_id,
         stage_id=record.stage_id,
         stage_record_id=str(record.pk),
-        attempt=record.attempt,
+        generation=record.generation,
         services=services,
         config=config,
     )
@@ -166,7 +166,7 @@ def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
             scope="stage",
             scope_id=record.stage_id,
             stage_pk=record.pk,
-            attempt=record.attempt,
+            generation=record.generation,
         )
         return outcome
 
@@ -247,7 +247,7 @@ def _fail_both(
         status=Status.FAILED,
         completed_at=now,
         duration_ms=duration_ms(run.started_at, now),
-        error=run_error(record.stage_id, error, error_type, attempt=record.attempt),
+        error=run_error(record.stage_id, error, error_type, generation=record.generation),
     )
     WorkflowJob.objects.filter(
         workflow_run_id=run.pk, stage_id=record.stage_id, status=Status.SUSPENDED

@@ -54,7 +54,7 @@ def write_outcome(
         scope="stage",
         scope_id=node.stage.id,
         stage_pk=record.pk,
-        attempt=record.attempt,
+        generation=record.generation,
     )
     return result, events
 
@@ -66,7 +66,7 @@ def start_stage(
     config: dict[str, Any],
     now: datetime,
 ) -> WorkflowStage:
-    """Phase 1's write: upsert the record to RUNNING (K-JE-6), clearing the previous attempt's
+    """Phase 1's write: upsert the record to RUNNING (K-JE-6), clearing the previous execution's
     error, suspension and progress (Part I item 9). Returns the record as written.
     """
     fields: dict[str, Any] = dict(
@@ -137,7 +137,7 @@ def run_stage(
             workflow_run_id=str(run.pk),
             stage_record_id=str(record.pk),
             stage_number=node.stage_number,
-            attempt=record.attempt,
+            generation=record.generation,
             raw_input=raw_input,
             config=config or run.config or {},
             resume_state=resume_state,

@@ -8,7 +8,7 @@ advances or completes it (EC-8); the second sees the new group's PENDING records
 * no stage records yet -> create group 1, enqueue, ``workflow:started`` (``advanced``, 1);
 * any PENDING/RUNNING/SUSPENDED record -> ``noop`` (K-TR-4);
 * a FAILED record whose job is not being retried -> run FAILED, ``workflow:failed`` (K-TR-5);
-* a next group exists -> create it with the current rerun attempt, enqueue (K-TR-6);
+* a next group exists -> create it with the current rerun generation, enqueue (K-TR-6);
 * otherwise -> run COMPLETED with the last group's output and cost totals (K-TR-7).
 """
 
@@ -71,7 +71,7 @@ def advance(
     """
     run_id = run.pk
     if not records:
-        new = create_missing_stages(run, workflow.stages_in_group(1), attempt=0, now=now)
+        new = create_missing_stages(run, workflow.stages_in_group(1), generation=0, now=now)
         update_run(run_id, now)
         jobs = enqueue_stage_jobs(
             kernel.queue, run, new, workflow=workflow, reserve_for=reserve_for, serves=serves
@@ -111,7 +111,7 @@ def advance(
                 first.stage_id,
                 error,
                 (first.metrics or {}).get("error_type"),
-                attempt=first.attempt,
+                generation=first.generation,
                 delivery=max(deliveries, key=lambda j: j.pk).attempt if deliveries else None,
             ),
         )
@@ -122,8 +122,10 @@ def advance(
     max_group = max(r.execution_group for r in records)
     next_nodes = workflow.stages_in_group(max_group + 1)
     if next_nodes:
-        attempt = max(r.attempt for r in records)
-        new = create_missing_stages(run, next_nodes, attempt=attempt, now=now, records=records)
+        generation = max(r.generation for r in records)
+        new = create_missing_stages(
+            run, next_nodes, generation=generation, now=now, records=records
+        )
         jobs = enqueue_stage_jobs(
             kernel.queue, run, new, workflow=workflow, reserve_for=reserve_for, serves=serves
         )

@@ -54,7 +54,7 @@ class DecisionCommand(BaseCommand):
             for w in waiting:
                 allowed = ", ".join(w.allowed_approvers) or "anyone"
                 self.stdout.write(
-                    f"run {run.pk}: stage {w.stage_id} (attempt {w.attempt}) waits; "
+                    f"run {run.pk}: stage {w.stage_id} (generation {w.generation}) waits; "
                     f"allowed approvers: {allowed}"
                 )
             return
@@ -75,7 +75,9 @@ class DecisionCommand(BaseCommand):
         what = f"stage {result.stage_id} of run {result.workflow_run_id} {result.outcome}"
         if result.recorded:
             self.stdout.write(
-                self.style.SUCCESS(f"{what} (attempt {result.attempt}); resumes at its next poll")
+                self.style.SUCCESS(
+                    f"{what} (generation {result.generation}); resumes at its next poll"
+                )
             )
         else:
-            self.stdout.write(f"{what} already (attempt {result.attempt}); nothing written")
+            self.stdout.write(f"{what} already (generation {result.generation}); nothing written")

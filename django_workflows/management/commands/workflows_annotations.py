@@ -4,10 +4,10 @@
 Examples::
 
     manage.py workflows_annotations 6f1c...                       # oldest first, 1000 rows max
-    manage.py workflows_annotations 6f1c... --key-prefix decision. --attempt 1
+    manage.py workflows_annotations 6f1c... --key-prefix decision. --generation 1
     manage.py workflows_annotations 6f1c... --scope stage --scope-id review --json
 
-One line per annotation: time (ISO 8601, UTC), scope (``run`` or ``stage:<id>``), attempt,
+One line per annotation: time (ISO 8601, UTC), scope (``run`` or ``stage:<id>``), generation,
 actor (``kind:id@version``), key and value (compact JSON, shortened unless ``--full``). Rows
 the legacy metadata shim synthesises from the deprecated ``metadata`` are marked ``legacy``.
 ``--json`` prints a JSON array of the rows (every field, full values).
@@ -60,7 +60,7 @@ def value_text(value: Any, full: bool = False) -> str:
 
 class Command(BaseCommand):
     help = (
-        "Print a run's annotations oldest first (time, scope, attempt, actor, key, value). "
+        "Print a run's annotations oldest first (time, scope, generation, actor, key, value). "
         "Filters are ANDed; at most --limit rows (default 1000). --json prints a JSON array."
     )
 
@@ -76,7 +76,7 @@ class Command(BaseCommand):
         )
         parser.add_argument("--actor-id", help="the actor's id")
         parser.add_argument("--actor-kind", help="the actor's kind (user, model, system, ...)")
-        parser.add_argument("--attempt", type=int, help="the rerun generation (0, 1, ...)")
+        parser.add_argument("--generation", type=int, help="the rerun generation (0, 1, ...)")
         parser.add_argument("--since", help="created at or after this ISO 8601 time (UTC)")
         parser.add_argument("--until", help="created at or before this ISO 8601 time (UTC)")
         parser.add_argument("--limit", type=int, default=1000, help="at most N rows (1000)")
@@ -106,7 +106,7 @@ class Command(BaseCommand):
                 scope_id=scope_id,
                 actor_id=opts["actor_id"],
                 actor_kind=opts["actor_kind"],
-                attempt=opts["attempt"],
+                generation=opts["generation"],
                 since=parse_time_option(opts["since"], "--since"),
                 until=parse_time_option(opts["until"], "--until"),
                 limit=opts["limit"],
@@ -132,12 +132,13 @@ class Command(BaseCommand):
         kw = max(len("key"), *(len(r.key) for r in rows))
         write(f"run {run_id}: {len(rows)} annotation(s)")
         write(
-            f"{'time':<32}  {'scope':<{sw}}  {'attempt':>7}  {'actor':<{aw}}  {'key':<{kw}}  value"
+            f"{'time':<32}  {'scope':<{sw}}  {'generation':>10}  {'actor':<{aw}}  "
+            f"{'key':<{kw}}  value"
         )
         for row, scope, actor in zip(rows, scopes, actors, strict=True):
             mark = "  (legacy)" if row.synthesized else ""
             write(
                 f"{row.created_at.astimezone(UTC).isoformat(timespec='milliseconds'):<32}  "
-                f"{scope:<{sw}}  {row.attempt:>7}  {actor:<{aw}}  {row.key:<{kw}}  "
+                f"{scope:<{sw}}  {row.generation:>10}  {actor:<{aw}}  {row.key:<{kw}}  "
                 f"{value_text(row.value, full)}{mark}"
             )

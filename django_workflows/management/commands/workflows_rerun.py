@@ -4,7 +4,7 @@ from one stage (``run.rerunFrom``, SPEC §4.5, Part I items 8 and 10).
 The run must be COMPLETED or FAILED and every execution group before the stage's group must be
 COMPLETED. The stage's group and every later group are deleted (with what those stages stored)
 and re-executed; earlier stages keep their outputs. The new records carry the next rerun
-``attempt``. With ``--idempotency-key`` a repeated command returns the first result and does
+``generation``. With ``--idempotency-key`` a repeated command returns the first result and does
 nothing else (K-10).
 """
 
@@ -53,14 +53,14 @@ class Command(BaseCommand):
             )
             return
         deleted = ", ".join(result.deleted_stages) or "none"
-        attempt = (
+        generation = (
             WorkflowStage.objects.filter(run_id=run.pk, stage_id=result.from_stage_id)
-            .values_list("attempt", flat=True)
+            .values_list("generation", flat=True)
             .first()
         )
         self.stdout.write(
             self.style.SUCCESS(f"rerun of {result.workflow_run_id} from {result.from_stage_id}")
         )
         self.stdout.write(f"deleted stages: {deleted}")
-        if attempt is not None:
-            self.stdout.write(f"attempt: {attempt}")
+        if generation is not None:
+            self.stdout.write(f"generation: {generation}")

@@ -1,5 +1,5 @@
 """``manage.py workflows_status <run_id> [--json] [--traceback]``: show a run and one line per
-stage record. A FAILED run shows its ``run.error`` (stage, message, error type, attempt,
+stage record. A FAILED run shows its ``run.error`` (stage, message, error type, generation,
 delivery); ``--traceback`` also prints the failed stage's traceback. A PENDING or RUNNING run
 shows what it waits for (``waiting:`` lines, the admin's and the API's reasons, with the
 command that unblocks it: ``workflows_approve <id>`` for an approval, a worker command when
@@ -121,7 +121,7 @@ def run_document(
                 "stage_id": s.stage_id,
                 "stage_name": s.stage_name,
                 "status": s.status,
-                "attempt": s.attempt,
+                "generation": s.generation,
                 "progress": s.progress,
                 "progress_message": s.progress_message,
                 "started_at": s.started_at,
@@ -147,7 +147,7 @@ class Command(BaseCommand):
         "with the command that unblocks it) and one "
         "line per stage record (execution group, stage id, status, rerun "
         "generation, job deliveries/max, progress in %, duration in seconds, error and any "
-        "pending retry). A failed run shows its error (stage, message, error type, attempt, "
+        "pending retry). A failed run shows its error (stage, message, error type, generation, "
         "delivery); --traceback prints the failed stage's traceback. --json prints a "
         "JSON document (durations in milliseconds)."
     )
@@ -207,7 +207,7 @@ class Command(BaseCommand):
             return
         width = max(len("stage"), *(len(s.stage_id) for s in stages))
         write(
-            f"{'group':>5}  {'stage':<{width}}  {'status':<9}  {'rerun':>5}  {'tries':>5}  "
+            f"{'group':>5}  {'stage':<{width}}  {'status':<9}  {'generation':>10}  {'tries':>5}  "
             f"{'progress':>8}  {'duration':>10}  error"
         )
         for s in stages:
@@ -220,8 +220,8 @@ class Command(BaseCommand):
             job = jobs.get(s.stage_id)
             tries = f"{job.attempt}/{job.max_attempts}" if job is not None else "-"
             line = (
-                f"{s.execution_group:>5}  {s.stage_id:<{width}}  {s.status:<9}  {s.attempt:>5}  "
-                f"{tries:>5}  {_progress(s.progress):>8}  "
+                f"{s.execution_group:>5}  {s.stage_id:<{width}}  {s.status:<9}  "
+                f"{s.generation:>10}  {tries:>5}  {_progress(s.progress):>8}  "
                 f"{format_duration_ms(s.duration_ms):>10}  {error}"
             )
             write(line.rstrip())
