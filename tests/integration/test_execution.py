@@ -80,9 +80,7 @@ def execute(kernel: Kernel, run_id: str, stage_id: str) -> ExecuteJobResult:
 def final_delivery(run_id: str) -> None:
     """Give the run's queued jobs one delivery each: a failure is final (not retried), so the
     outcome transaction fails the run (K-TR-5)."""
-    WorkflowJob.objects.filter(workflow_run_id=run_id, status=Status.PENDING).update(
-        max_attempts=1
-    )
+    WorkflowJob.objects.filter(workflow_run_id=run_id, status=Status.PENDING).update(max_attempts=1)
 
 
 def outbox(run_id: str) -> list[dict[str, Any]]:

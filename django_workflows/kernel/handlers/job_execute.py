@@ -6,7 +6,9 @@ does: :func:`..stage_path.lease.lease_job` (transaction 1: the run locked, the j
 RUNNING guard, K-JE-5, the stage started), :func:`..stage_path.execute.execute` (the body,
 no transaction), :func:`..stage_path.outcome.commit_outcome` (transaction 3: the job settled
 fenced by its token, the outcome written and the run transitioned, in one commit). The next
-stage is not continued here: its jobs are queued for the workers.
+stage is not continued here: its jobs are queued for the workers. The stage runs with its
+job's config (the run's config map); a ``config`` that differs from it is refused
+(:class:`..errors.InvalidCommandError`, ``field="config"``), nothing changed.
 
 Deliberate difference from SPEC K-JE-19 / H-5: the command settles the job and transitions
 the run (the production path), it does not leave them to the caller.
@@ -47,7 +49,15 @@ def handle(kernel: Kernel, cmd: ExecuteJob) -> ExecuteJobResult:
     if not WorkflowRun.objects.filter(pk=run_id).exists():
         raise RunNotFoundError(run_id)
     jobs = WorkflowJob.objects.filter(workflow_run_id=run_id, stage_id=cmd.stage_id)
-    job_id = jobs.order_by("-id").values_list("pk", flat=True).first()
+    job_id, payload = jobs.order_by("-id").values_list("pk", "payload").first() or (None, None)
+    job_config = (payload or {}).get("config") or {}
+    if cmd.config and cmd.config != job_config:
+        raise InvalidCommandError(
+            f"config differs from the config of the job of stage {cmd.stage_id!r} (the run's "
+            "config map): the stage runs with the job's config; leave config empty or pass "
+            "the run's",
+            field="config",
+        )
     delivery = None
     if job_id is not None:
         delivery, _ = lease_job(kernel, job_id, WORKER_ID)
