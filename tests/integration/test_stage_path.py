@@ -407,7 +407,7 @@ def test_old_generation_delivery_with_a_live_lease_is_discarded_after_a_rerun(
 
     assert late.outcome == "discarded"
     record = WorkflowStage.objects.get(run_id=run_id, stage_id="s")
-    assert (record.attempt, record.status) == (1, Status.PENDING)
+    assert (record.generation, record.status) == (1, Status.PENDING)
     assert not WorkflowBlob.objects.filter(key__endswith="/s/output.json").exists()
     assert _completed_once(run_id) == {}
     old_job = WorkflowJob.objects.get(pk=old.job.pk)
