@@ -408,20 +408,8 @@ def lease_job(
             elif job.attempt >= job.max_attempts:
                 kernel.queue.give_up(job)
                 return None, None
-            else:
-                now = kernel.clock.now()
-                fields = {
-                    "status": Status.RUNNING,
-                    "worker_id": worker_id,
-                    "locked_at": kernel.queue.lease_clock.now(),
-                    "started_at": now,
-                    "updated_at": now,
-                    "attempt": job.attempt + 1,
-                }
-                if not kernel.queue._fenced_update(job.pk, Status.PENDING, job.attempt, fields):
-                    return None, None
-                for name, value in fields.items():
-                    setattr(job, name, value)
+            elif not kernel.queue.lease(job, worker_id):
+                return None, None
             events: list[dict[str, Any]] = []
             delivery = begin(kernel, job, run, events)
             append_events(events, new_causation_id(), kernel.clock.now())
