@@ -561,11 +561,12 @@ def test_execute_phase3_holds_the_run_lock_against_a_concurrent_cancel(
     kernel_for: KernelFor, clock: FakeClock
 ) -> None:
     """Part I item 1, EC-25: a cancel that starts while Phase 3 is writing waits for the run
-    row lock, so there is no residual window: the stage commits first, then the cancel.
+    row lock, so there is no residual window: the stage commits first (its outcome advances
+    the run to ``add-10``), then the cancel.
     """
     blobs = _HookedBlobs(clock)
-    kernel = kernel_for(_single(add(1)), blob_store=blobs)
-    run_id = _start(kernel, "single")
+    kernel = kernel_for(two_stage(), blob_store=blobs)
+    run_id = _start(kernel, "two-stage")
     outcome: dict[str, Any] = {}
 
     def cancel() -> None:
@@ -582,7 +583,7 @@ def test_execute_phase3_holds_the_run_lock_against_a_concurrent_cancel(
         outcome["blocked"] = thread.is_alive()
 
     blobs.hook = during_phase3
-    result = _execute(kernel, run_id, "single", "add-1")
+    result = _execute(kernel, run_id, "two-stage", "add-1")
     thread.join(timeout=10)
 
     assert outcome == {"blocked": True, "cancelled": True}
