@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from .conventions import Approval, Decision
 from .definition.context import CompletionContext, StageContext
@@ -92,6 +92,20 @@ class ApprovalDecision(BaseModel):
     decided_at: str
     policy_version: str | None = None
     generation: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stored_before_generation(cls, data: Any) -> Any:
+        """An output stored before migration 0012 names the generation by SPEC SM-30's old
+        key; read it as ``generation`` (the schema, and so the fingerprint, are unchanged)."""
+        if isinstance(data, dict) and _OLD_GENERATION_KEY in data and "generation" not in data:
+            data = {**data, "generation": data[_OLD_GENERATION_KEY]}
+            del data[_OLD_GENERATION_KEY]
+        return data
+
+
+#: The key stored approval outputs used for the generation before migration 0012 (SPEC SM-30).
+_OLD_GENERATION_KEY = "attempt"
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,8 @@ ALLOWED = {
     ("django_workflows/runs.py", "attempt: int | None = None"),
     # ``first`` is the run's first WorkflowJob, leased in the transaction that advanced it.
     ("django_workflows/kernel/queue.py", "first.attempt = 1"),
+    # Approval outputs stored before migration 0012 are read with their old key.
+    ("django_workflows/approval.py", '_OLD_GENERATION_KEY = "attempt"'),
     # The message for code that still reads the old name.
     (
         "django_workflows/definition/context.py",
@@ -197,3 +199,12 @@ def test_the_openapi_schema_has_no_attempt(client: Any) -> None:
     schema = response.content.decode()
     assert '"generation"' in schema
     assert '"attempt"' not in schema
+
+
+def test_an_approval_output_stored_before_the_rename_keeps_its_generation() -> None:
+    from django_workflows.approval import ApprovalDecision
+
+    stored = {"approved": True, "outcome": "approved", "decided_at": "2026-01-01T00:00:00Z"}
+    assert ApprovalDecision.model_validate({**stored, "attempt": 2}).generation == 2
+    assert ApprovalDecision.model_validate({**stored, "generation": 3}).generation == 3
+    assert "attempt" not in ApprovalDecision.model_json_schema()["properties"]
