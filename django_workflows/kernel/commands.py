@@ -241,10 +241,19 @@ class RerunFromResult(Result):
 
 @dataclass(frozen=True)
 class ExecuteJob:
-    """Execute one stage of one run in three phases (SPEC §4.6).
+    """Deliver the newest job of one stage of one run through the production stage path
+    (SPEC §4.6; :mod:`.handlers.job_execute`): lease it, run the stage, commit the outcome -
+    the job settled and the run transitioned in that one transaction (a documented difference
+    from K-JE-19 / H-5, which leave both to the caller).
 
     Attributes:
-        config: the whole run-config map (the stage reads its own slice, WF-45).
+        config: the whole run-config map (the stage reads its own slice, WF-45). Empty: the
+            job's (the run's); a different map raises :class:`.errors.InvalidCommandError`.
+
+    Raises:
+        WorkflowNotFoundError, StageNotFoundError, RunNotFoundError: K-JE-1.
+        InvalidCommandError: ``config`` differs from the job's; or the run has no job for the
+            stage yet (its group was not reached) while RUNNING and the stage not COMPLETED.
     """
 
     type: ClassVar[str] = "job.execute"

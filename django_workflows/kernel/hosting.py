@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
-from django.db import close_old_connections, connection, transaction
+from django.db import close_old_connections, connection
 from django.db.models import Q
 
 from ..conf import workflow_settings
@@ -42,8 +42,7 @@ from .dispatch import Kernel
 from .flusher import flush_outbox
 from .leases import LeaseKeeper as LeaseKeeper
 from .leases import lease_heartbeat_seconds as lease_heartbeat_seconds
-from .locking import lock_run
-from .outbox import append_events, new_causation_id
+from .stage_path.lease import lease_job
 
 logger = logging.getLogger("django_workflows.worker")
 
@@ -63,22 +62,20 @@ class JobOutcome:
 
 def execute_job(kernel: Kernel, job: WorkflowJob) -> JobOutcome:
     """Execute a job leased by :meth:`JobQueue.dequeue` and apply its outcome (H-3..H-8), the
-    outcome's job settlement and the run's transition in one transaction
-    (:mod:`.delivery`). The next stage is not continued here: its jobs are queued.
+    outcome's job settlement and the run's transition in one transaction: the production
+    stage path (:mod:`.delivery`) entered at one given job
+    (:func:`.stage_path.lease.lease_job`, fenced by the job's ``attempt``). The next stage is
+    not continued here: its jobs are queued.
 
     A job whose workflow or stage the loaded definition lacks is failed with its run at once
     (``DefinitionMismatch`` / ``WorkflowNotFound``; :func:`.delivery.begin`).
     """
-    with transaction.atomic():
-        run = lock_run(job.workflow_run_id)
-        events: list[dict[str, Any]] = []
-        started = delivery.begin(kernel, job, run, events)
-        append_events(events, new_causation_id(), kernel.clock.now())
+    started, _ = lease_job(kernel, job.pk, job.worker_id or "", attempt=job.attempt)
     if started is None:
         return JobOutcome(
             "failed",
-            "Job settled without executing (run not RUNNING, done, or its workflow or stage "
-            "missing from the loaded definition)",
+            "Job settled without executing (run not RUNNING, done, its workflow or stage "
+            "missing from the loaded definition, or no longer this lease's)",
         )
     result = delivery.deliver(kernel, started, None)
     return JobOutcome(result.outcome, result.error)

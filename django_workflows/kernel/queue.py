@@ -197,26 +197,30 @@ class JobQueue:
                 self.give_up(job)
             elif accept is None or accept(job):
                 break
-        job.status = Status.RUNNING
-        job.worker_id = worker_id
-        job.locked_at = self.lease_clock.now()
-        job.started_at = job.updated_at = now
-        job.attempt += 1
-        updated = rows.update(
-            WorkflowJob,
-            job.pk,
-            {
-                "status": job.status,
-                "worker_id": job.worker_id,
-                "locked_at": job.locked_at,
-                "started_at": job.started_at,
-                "updated_at": job.updated_at,
-                "attempt": job.attempt,
-            },
-        )
-        if not updated:  # as Model.save(update_fields=...) would
+        if not self.lease(job, worker_id, now=now):  # as Model.save(update_fields=...) would
             raise DatabaseError("Save with update_fields did not affect any rows.")
         return job
+
+    def lease(self, job: WorkflowJob, worker_id: str, *, now: datetime | None = None) -> bool:
+        """Lease ``job`` (read by the caller, PENDING at ``job.attempt``) to ``worker_id`` in
+        the caller's transaction: RUNNING, ``attempt + 1``, the lease stamped by the lease
+        clock (DM-41, SM-20). Fenced: ``False`` (nothing changed) if the job is no longer
+        PENDING at that attempt. ``job`` is updated in place on success.
+        """
+        now = self.clock.now() if now is None else now
+        values = {
+            "status": Status.RUNNING,
+            "worker_id": worker_id,
+            "locked_at": self.lease_clock.now(),
+            "started_at": now,
+            "updated_at": now,
+            "attempt": job.attempt + 1,
+        }
+        if not self._fenced_update(job.pk, Status.PENDING, job.attempt, values):
+            return False
+        for name, value in values.items():
+            setattr(job, name, value)
+        return True
 
     @staticmethod
     def _fenced_update(

@@ -34,11 +34,11 @@ from django_workflows.kernel import (
     ClaimPendingRuns,
     CreateRun,
     Kernel,
-    hosting,
 )
 from django_workflows.kernel import events as ev
 from django_workflows.kernel.handlers import run_cancel
 from django_workflows.kernel.hosting import execute_job, process_available_jobs
+from django_workflows.kernel.stage_path import lease as stage_lease
 from django_workflows.kernel.stage_path import outcome as stage_outcome
 from django_workflows.models import (
     OutboxEvent,
@@ -143,7 +143,7 @@ def test_cancel_committing_while_annotated_stage_completes(
         return run
 
     # the stage path's RUNNING guards: before the stage starts, then in the outcome transaction
-    monkeypatch.setattr(hosting, "lock_run", require_running)
+    monkeypatch.setattr(stage_lease, "lock_run", require_running)
     monkeypatch.setattr(stage_outcome, "lock_run", require_running)
     monkeypatch.setattr(run_cancel, "lock_run", lock_run)
 

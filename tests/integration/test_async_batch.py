@@ -268,15 +268,14 @@ def test_next_stage_runs_after_resume(kernel_for: KernelFor, clock: FakeClock) -
     run_id = start_run(kernel, "then-sync", {"value": 0})
 
     execute(kernel, run_id, "prepare")
-    assert kernel.dispatch(TransitionRun(run_id)).action == "advanced"
+    assert kernel.dispatch(TransitionRun(run_id)).action == "noop"  # the outcome advanced
     assert execute(kernel, run_id, "batch").outcome == "suspended"
     prepared = record(run_id, "prepare")
     assert prepared.status == Status.COMPLETED
 
     assert poll(kernel, clock).resumed == 1
     assert kernel.dispatch(TransitionRun(run_id)).action == "advanced"
-    assert execute(kernel, run_id, "finish").output == {"value": 15}
-    assert kernel.dispatch(TransitionRun(run_id)).action == "completed"
+    assert execute(kernel, run_id, "finish").output == {"value": 15}  # completes the run
 
     run = WorkflowRun.objects.get(pk=run_id)
     assert (run.status, run.output) == (Status.COMPLETED, {"value": 15})
@@ -385,6 +384,7 @@ def test_error_in_initial_execute_fails_the_stage(kernel_for: KernelFor) -> None
     )
     kernel = kernel_for(define_workflow(id="bad-submit").pipe(stage).build())
     run_id = start_run(kernel, "bad-submit")
+    WorkflowJob.objects.filter(workflow_run_id=run_id).update(max_attempts=1)  # final failure
 
     result = execute(kernel, run_id, "batch")
     assert (result.outcome, result.error) == ("failed", "RuntimeError: submission rejected")
@@ -394,7 +394,7 @@ def test_error_in_initial_execute_fails_the_stage(kernel_for: KernelFor) -> None
         "RuntimeError: submission rejected",
         None,
     )
-    assert kernel.dispatch(TransitionRun(run_id)).action == "failed"
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.FAILED  # by the outcome
 
 
 def test_suspend_without_batch_id_is_a_non_retryable_failure(kernel_for: KernelFor) -> None:
@@ -623,7 +623,9 @@ def test_two_chained_async_stages(kernel_for: KernelFor, clock: FakeClock) -> No
 
 def test_sync_async_sync_pipeline(kernel_for: KernelFor, clock: FakeClock) -> None:
     """D.8 :310, :462 - advanced, advanced, completed; the sync output feeds the async stage
-    and the final output comes from the last sync stage.
+    and the final output comes from the last sync stage. The sync stages' outcomes transition
+    the run themselves (a later ``run.transition`` is a noop); after the poller's resume the
+    tick's ``run.transition`` advances it.
     """
     batch = Batch([CompletionCheck.done({"value": 50})])
     wf = (
@@ -645,7 +647,7 @@ def test_sync_async_sync_pipeline(kernel_for: KernelFor, clock: FakeClock) -> No
     execute(kernel, run_id, "after")
     actions.append(kernel.dispatch(TransitionRun(run_id)).action)
 
-    assert actions == ["advanced", "advanced", "completed"]
+    assert actions == ["noop", "advanced", "noop"]
     assert batch.inputs == [Num(value=10)]
     assert WorkflowRun.objects.get(pk=run_id).output == {"value": 150}
 

@@ -168,11 +168,10 @@ def test_cancel_cascades_to_open_stages_and_queued_jobs(
     assert suspended.outcome == "suspended"
     kernel.queue.suspend(batch.pk, suspended.next_poll_at)
     done = _lease(kernel, "done")
-    assert _execute(kernel, done).outcome == "completed"
-    kernel.queue.complete(done.pk)
+    assert _execute(kernel, done).outcome == "completed"  # the outcome completed the job
     failing = _lease(kernel, "failing")
+    WorkflowJob.objects.filter(pk=failing.pk).update(max_attempts=1)  # no retry: FAILED
     assert _execute(kernel, failing).outcome == "failed"
-    kernel.queue.fail(failing.pk, "bad data", should_retry=False)
     running = _lease(kernel, "running")
     WorkflowStage.objects.filter(run_id=run_id, stage_id="running").update(
         status=Status.RUNNING, started_at=clock.now()

@@ -36,6 +36,7 @@ from django_workflows.kernel import (
     CreateRun,
     ExecuteJob,
     FlushOutbox,
+    InvalidCommandError,
     Kernel,
     RunNotFoundError,
     StageNotFoundError,
@@ -148,10 +149,14 @@ def test_execute_sync_stage_completes_with_output_blob_and_events(
         "workflow:started",
         "stage:started",
         "stage:completed",
+        "workflow:completed",
     ]
-    assert events[-1]["stage_id"] == "double"
-    assert events[-1]["duration_ms"] == 2000
-    assert WorkflowRun.objects.get(pk=run_id).status == Status.RUNNING  # K-JE-19
+    assert events[-2]["stage_id"] == "double"
+    assert events[-2]["duration_ms"] == 2000
+    # the outcome transaction settled the job and completed the run (not K-JE-19: the
+    # production stage path, a documented difference)
+    assert WorkflowJob.objects.get(workflow_run_id=run_id).status == Status.COMPLETED
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED
 
 
 def test_execute_artifacts_are_stored_as_blobs(kernel_for: KernelFor) -> None:
@@ -311,10 +316,33 @@ def test_execute_progress_events_written_with_outcome(
     assert _execute(kernel, run_id, "single", "steps").outcome == "completed"
 
     events = _published(kernel, sink, run_id)
-    assert _types(events)[-3:] == ["stage:progress", "stage:progress", "stage:completed"]
+    assert _types(events)[-4:-1] == ["stage:progress", "stage:progress", "stage:completed"]
     progress = [e for e in events if e["type"] == "stage:progress"]
     assert [(e["progress"], e["message"]) for e in progress] == [(25, "quarter"), (75, "most")]
     assert progress[1]["details"] == {"rows": 3}
+
+
+def test_execute_refuses_a_config_other_than_the_jobs(kernel_for: KernelFor) -> None:
+    """The stage runs with its job's config (the run's map): a different ``config`` is refused
+    with an error naming the field, and nothing runs or changes.
+    """
+    calls: list[int] = []
+
+    def body(ctx: Any) -> Num:
+        calls.append(1)
+        return Num(value=0)
+
+    kernel = kernel_for(_single(define_stage(id="cfg", input=Num, output=Num, execute=body)))
+    run_id = _start(kernel, "single")
+    before = (OutboxEvent.objects.count(), list(WorkflowJob.objects.values_list("status")))
+
+    with pytest.raises(InvalidCommandError) as raised:
+        _execute(kernel, run_id, "single", "cfg", config={"cfg": {"a": 2}})
+
+    assert raised.value.field == "config"
+    assert calls == []
+    assert (OutboxEvent.objects.count(), list(WorkflowJob.objects.values_list("status"))) == before
+    assert _execute(kernel, run_id, "single", "cfg").outcome == "completed"
 
 
 def test_execute_ghost_when_run_not_running(kernel_for: KernelFor) -> None:
@@ -333,7 +361,7 @@ def test_execute_ghost_when_run_not_running(kernel_for: KernelFor) -> None:
 
     assert result.outcome == "failed"
     assert result.ghost is True
-    assert "expected RUNNING" in (result.error or "")
+    assert "not RUNNING" in (result.error or "")
     assert "PENDING" in (result.error or "")
     assert calls == []
     assert not WorkflowStage.objects.filter(run_id=run_id).exists()
@@ -367,8 +395,9 @@ def test_execute_input_validation_failure_is_not_retryable(kernel_for: KernelFor
 def test_execute_completed_stage_is_not_executed_again(
     kernel_for: KernelFor, sink: CollectingSink
 ) -> None:
-    """K-JE-5, EC-11: a re-delivery of a COMPLETED stage returns the stored output without a
-    key, runs nothing and writes nothing.
+    """K-JE-5, EC-11: a re-delivery of a COMPLETED stage (its job back in the queue, as after
+    a lost settlement) returns the stored output without a key, runs nothing and writes
+    nothing but the job's settlement.
     """
     calls: list[int] = []
 
@@ -376,18 +405,24 @@ def test_execute_completed_stage_is_not_executed_again(
         calls.append(1)
         return Num(value=ctx.input.value + len(calls))
 
-    kernel = kernel_for(_single(define_stage(id="once", input=Num, output=Num, execute=body)))
-    run_id = _start(kernel, "single", {"value": 10})
+    once = define_stage(id="once", input=Num, output=Num, execute=body)
+    kernel = kernel_for(define_workflow(id="twice", input=Num).pipe(once).pipe(add(1)).build())
+    run_id = _start(kernel, "twice", {"value": 10})
 
-    first = _execute(kernel, run_id, "single", "once")
+    first = _execute(kernel, run_id, "twice", "once")
+    WorkflowJob.objects.filter(workflow_run_id=run_id, stage_id="once").update(
+        status=Status.PENDING
+    )
     outbox = OutboxEvent.objects.count()
     version = _record(run_id, "once").version
-    second = _execute(kernel, run_id, "single", "once")
+    second = _execute(kernel, run_id, "twice", "once")
 
     assert first == second == ExecuteJobResult("completed", output={"value": 11})
     assert calls == [1]
     assert OutboxEvent.objects.count() == outbox
     assert _record(run_id, "once").version == version
+    job = WorkflowJob.objects.get(workflow_run_id=run_id, stage_id="once")
+    assert (job.status, job.attempt) == (Status.COMPLETED, 2)
     assert _types(_published(kernel, sink, run_id)).count("stage:started") == 1
 
 
@@ -397,6 +432,8 @@ def test_execute_missing_previous_group_output_fails_loudly(kernel_for: KernelFo
     """
     kernel = kernel_for(two_stage())
     run_id = _start(kernel, "two-stage")
+    assert _execute(kernel, run_id, "two-stage", "add-1").outcome == "completed"
+    WorkflowStage.objects.filter(run_id=run_id, execution_group=1).delete()  # output lost
 
     result = _execute(kernel, run_id, "two-stage", "add-10")
 
@@ -406,7 +443,7 @@ def test_execute_missing_previous_group_output_fails_loudly(kernel_for: KernelFo
 
 
 def test_execute_phase1_stores_the_stage_config_slice(kernel_for: KernelFor) -> None:
-    """K-JE-6: a record created by Phase 1 keeps its own config slice, not the whole map."""
+    """K-JE-6: a stage record keeps its own config slice, not the whole map."""
 
     class Own(BaseModel):
         own: str = "default"
@@ -424,12 +461,11 @@ def test_execute_phase1_stores_the_stage_config_slice(kernel_for: KernelFor) -> 
         .build()
     )
     kernel = kernel_for(wf)
-    run_id = _start(kernel, "sliced")
     config = {"first": {}, "second": {"own": "value"}}
+    run_id = _start(kernel, "sliced", config=config)
     assert _execute(kernel, run_id, "sliced", "first", config=config).outcome == "completed"
-    assert not WorkflowStage.objects.filter(run_id=run_id, stage_id="second").exists()
 
-    assert _execute(kernel, run_id, "sliced", "second", config=config).outcome == "completed"
+    assert _execute(kernel, run_id, "sliced", "second").outcome == "completed"
 
     assert _record(run_id, "second").config == {"own": "value"}
     assert seen == ["value"]
@@ -452,8 +488,13 @@ def test_execute_invalid_config_logs_warning_and_uses_raw(kernel_for: KernelFor)
     stage = define_stage(id="cfg-stage", input=Num, output=Num, config=Limits, execute=body)
     kernel = kernel_for(_single(stage))
     run_id = _start(kernel, "single")
+    # run.create validates the config: a slice the model refuses reaches a job only when the
+    # definition changed after the run was created; the job's payload says so here
+    WorkflowJob.objects.filter(workflow_run_id=run_id).update(
+        payload={"config": {"cfg-stage": {"limit": "x"}}}
+    )
 
-    result = _execute(kernel, run_id, "single", "cfg-stage", config={"cfg-stage": {"limit": "x"}})
+    result = _execute(kernel, run_id, "single", "cfg-stage")
 
     assert result.outcome == "completed"
     assert seen == ["x"]
@@ -520,11 +561,12 @@ def test_execute_phase3_holds_the_run_lock_against_a_concurrent_cancel(
     kernel_for: KernelFor, clock: FakeClock
 ) -> None:
     """Part I item 1, EC-25: a cancel that starts while Phase 3 is writing waits for the run
-    row lock, so there is no residual window: the stage commits first, then the cancel.
+    row lock, so there is no residual window: the stage commits first (its outcome advances
+    the run to ``add-10``), then the cancel.
     """
     blobs = _HookedBlobs(clock)
-    kernel = kernel_for(_single(add(1)), blob_store=blobs)
-    run_id = _start(kernel, "single")
+    kernel = kernel_for(two_stage(), blob_store=blobs)
+    run_id = _start(kernel, "two-stage")
     outcome: dict[str, Any] = {}
 
     def cancel() -> None:
@@ -541,7 +583,7 @@ def test_execute_phase3_holds_the_run_lock_against_a_concurrent_cancel(
         outcome["blocked"] = thread.is_alive()
 
     blobs.hook = during_phase3
-    result = _execute(kernel, run_id, "single", "add-1")
+    result = _execute(kernel, run_id, "two-stage", "add-1")
     thread.join(timeout=10)
 
     assert outcome == {"blocked": True, "cancelled": True}
@@ -633,7 +675,7 @@ def test_execute_parallel_stage_context_excludes_finished_sibling(kernel_for: Ke
     kernel = kernel_for(wf)
     run_id = _start(kernel, "fan-out")
     assert _execute(kernel, run_id, "fan-out", "first").outcome == "completed"
-    assert kernel.dispatch(TransitionRun(run_id)).action == "advanced"
+    assert kernel.dispatch(TransitionRun(run_id)).action == "noop"  # the outcome advanced
 
     assert _execute(kernel, run_id, "fan-out", "left").outcome == "completed"
     assert _record(run_id, "left").status == Status.COMPLETED

@@ -97,7 +97,8 @@ def _workflow(*stages: Stage, workflow_id: str = "poll-wf") -> Workflow:
 
 
 def _suspend_run(kernel: Kernel, workflow_id: str = "poll-wf") -> str:
-    """A RUNNING run whose group-1 stages are SUSPENDED, with SUSPENDED job rows."""
+    """A RUNNING run whose group-1 stages are SUSPENDED, with SUSPENDED job rows (each job
+    leased and delivered through ``job.execute``, the production stage path)."""
     run_id = str(kernel.dispatch(CreateRun(workflow_id=workflow_id, input={})).workflow_run_id)
     (claimed,) = kernel.dispatch(ClaimPendingRuns(worker_id="w")).claimed
     for _ in claimed.job_ids:
@@ -112,7 +113,8 @@ def _suspend_run(kernel: Kernel, workflow_id: str = "poll-wf") -> str:
             )
         )
         assert result.outcome == "suspended"
-        assert kernel.queue.suspend(job.pk, result.next_poll_at)
+        # the outcome transaction suspended the job itself (the production stage path)
+        assert WorkflowJob.objects.get(pk=job.pk).status == Status.SUSPENDED
     return run_id
 
 

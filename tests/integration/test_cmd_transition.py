@@ -68,8 +68,9 @@ def _start(kernel: Kernel, workflow_id: str = "two-stage") -> uuid.UUID:
 
 
 def _execute_next(kernel: Kernel, stage_id: str) -> ExecuteJobResult:
-    """Lease the next ready job (it must be ``stage_id``'s), execute it and apply the outcome to
-    the queue like the host does — but without dispatching ``run.transition``.
+    """Lease the next ready job (it must be ``stage_id``'s) and execute it: ``job.execute``
+    enters the production stage path, whose outcome transaction settles the job and
+    transitions the run (the same rules as ``run.transition``).
     """
     job = kernel.queue.dequeue("w-1")
     assert job is not None and job.stage_id == stage_id, job
@@ -81,12 +82,21 @@ def _execute_next(kernel: Kernel, stage_id: str) -> ExecuteJobResult:
             config=(job.payload or {}).get("config") or {},
         )
     )
-    if result.outcome == "completed":
-        kernel.queue.complete(job.pk)
-    elif result.outcome == "failed":
-        retry = not result.ghost and result.retryable is not False
-        kernel.queue.fail(job.pk, result.error or "failed", should_retry=retry)
     return result
+
+
+def _undo_advance(run_id: uuid.UUID, group: int) -> None:
+    """Take back what the outcome's transition created for ``group`` (its records and jobs):
+    the state "earlier groups COMPLETED, not yet transitioned" that ``run.transition`` decides
+    on (after a crash between an outcome and its transition in older versions).
+    """
+    WorkflowJob.objects.filter(
+        workflow_run_id=run_id,
+        stage_id__in=WorkflowStage.objects.filter(run_id=run_id, execution_group=group).values(
+            "stage_id"
+        ),
+    ).delete()
+    WorkflowStage.objects.filter(run_id=run_id, execution_group=group).delete()
 
 
 def _snapshot(run_id: uuid.UUID) -> tuple[Any, ...]:
@@ -202,7 +212,9 @@ def test_transition_creates_first_group_when_running_run_has_no_records(
 
 def test_transition_advances_to_next_group(kernel_for: KernelFor) -> None:
     """K-TR-6, WF-45: group 1 COMPLETED -> ``advanced`` to 2: a PENDING ``add-10`` record in
-    group 2 and one PENDING job for it (run priority, whole config map); no event.
+    group 2 and one PENDING job for it (run priority, whole config map), written by the
+    outcome's own transition; a later ``run.transition`` finds nothing to do and writes no
+    event.
     """
     kernel = kernel_for(two_stage())
     run_id = _start(kernel)
@@ -211,7 +223,7 @@ def test_transition_advances_to_next_group(kernel_for: KernelFor) -> None:
 
     result = kernel.dispatch(TransitionRun(run_id))
 
-    assert (result.action, result.next_group) == ("advanced", 2)
+    assert result.action == "noop"
     record = WorkflowStage.objects.get(run_id=run_id, stage_id="add-10")
     assert (record.status, record.execution_group, record.generation) == (Status.PENDING, 2, 0)
     jobs = WorkflowJob.objects.filter(workflow_run_id=run_id, stage_id="add-10")
@@ -226,6 +238,7 @@ def test_transition_new_group_inherits_the_highest_generation(kernel_for: Kernel
     kernel = kernel_for(two_stage())
     run_id = _start(kernel)
     _execute_next(kernel, "add-1")
+    _undo_advance(run_id, 2)
     WorkflowStage.objects.filter(run_id=run_id, stage_id="add-1").update(generation=2)
 
     assert kernel.dispatch(TransitionRun(run_id)).action == "advanced"
@@ -240,6 +253,8 @@ def test_transition_redispatch_after_advance_is_noop(kernel_for: KernelFor) -> N
     run_id = _start(kernel, "fan-out")
     _execute_next(kernel, "a")
     _execute_next(kernel, "b")
+    assert kernel.dispatch(TransitionRun(run_id)).action == "noop"  # the outcome advanced
+    _undo_advance(run_id, 2)
 
     results = [kernel.dispatch(TransitionRun(run_id)).action for _ in range(2)]
 
@@ -258,6 +273,7 @@ def test_transition_concurrent_siblings_have_one_winner(kernel_for: KernelFor) -
     run_id = _start(kernel, "fan-out")
     _execute_next(kernel, "a")
     _execute_next(kernel, "b")
+    _undo_advance(run_id, 2)  # the outcome of ``b`` advanced the run: take it back
     results: list[str] = []
     errors: list[BaseException] = []
 
@@ -298,22 +314,22 @@ def test_transition_concurrent_siblings_have_one_winner(kernel_for: KernelFor) -
 def test_transition_completes_the_run(
     kernel_for: KernelFor, clock: FakeClock, sink: CollectingSink
 ) -> None:
-    """K-TR-7, WF-40, WF-61, Part I item 14: last group COMPLETED -> ``completed``; run
-    COMPLETED with the last group's output, totals, ``completed_at`` and a duration measured
-    from ``started_at``; exactly one ``workflow:completed``.
+    """K-TR-7, WF-40, WF-61, Part I item 14: last group COMPLETED -> ``completed`` (by the last
+    outcome's transition); run COMPLETED with the last group's output, totals,
+    ``completed_at`` and a duration measured from ``started_at``; exactly one
+    ``workflow:completed``; a later ``run.transition`` is a noop.
     """
     kernel = kernel_for(two_stage())
     res = kernel.dispatch(CreateRun(workflow_id="two-stage", input={"value": 1}))
     clock.advance(5)  # queue time: not part of the duration
     run_id = _start_claimed(kernel, res.workflow_run_id)
     _execute_next(kernel, "add-1")
-    assert kernel.dispatch(TransitionRun(run_id)).action == "advanced"
-    _execute_next(kernel, "add-10")
     clock.advance(7)
+    _execute_next(kernel, "add-10")
 
     result = kernel.dispatch(TransitionRun(run_id))
 
-    assert (result.action, result.next_group) == ("completed", None)
+    assert result.action == "noop"
     run = WorkflowRun.objects.get(pk=run_id)
     assert run.status == Status.COMPLETED
     assert run.output == {"value": 12}
@@ -343,7 +359,7 @@ def test_transition_completes_with_parallel_output(kernel_for: KernelFor) -> Non
     _execute_next(kernel, "x")
     _execute_next(kernel, "y")
 
-    assert kernel.dispatch(TransitionRun(run_id)).action == "completed"
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED
     assert WorkflowRun.objects.get(pk=run_id).output == {"x": {"value": 2}, "y": {"value": 3}}
 
 
@@ -396,11 +412,11 @@ def test_transition_parallel_retry_race(kernel_for: KernelFor, clock: FakeClock)
     assert WorkflowRun.objects.get(pk=run_id).status == Status.RUNNING
 
     clock.advance(60)  # past the retry back-off
-    assert _execute_next(kernel, "a").outcome == "completed"
-    result = kernel.dispatch(TransitionRun(run_id))
-    assert (result.action, result.next_group) == ("advanced", 2)
+    assert _execute_next(kernel, "a").outcome == "completed"  # its outcome advances the run
+    join = WorkflowStage.objects.get(run_id=run_id, stage_id="join")
+    assert (join.status, join.execution_group) == (Status.PENDING, 2)
     _execute_next(kernel, "join")
-    assert kernel.dispatch(TransitionRun(run_id)).action == "completed"
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED
     assert WorkflowRun.objects.get(pk=run_id).output == {"value": 3}
 
 
@@ -438,8 +454,7 @@ def test_transition_fails_run_when_retries_are_exhausted(
 
     job_a = WorkflowJob.objects.get(stage_id="a")
     assert (job_a.status, job_a.attempt) == (Status.FAILED, max_attempts)
-    result = kernel.dispatch(TransitionRun(run_id))
-    assert result.action == "failed"
+    # the last failure's outcome transaction failed the run (K-TR-5)
     assert WorkflowRun.objects.get(pk=run_id).status == Status.FAILED
     assert not WorkflowStage.objects.filter(run_id=run_id, stage_id="join").exists()
     kernel.dispatch(FlushOutbox())

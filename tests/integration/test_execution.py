@@ -77,6 +77,12 @@ def execute(kernel: Kernel, run_id: str, stage_id: str) -> ExecuteJobResult:
     )
 
 
+def final_delivery(run_id: str) -> None:
+    """Give the run's queued jobs one delivery each: a failure is final (not retried), so the
+    outcome transaction fails the run (K-TR-5)."""
+    WorkflowJob.objects.filter(workflow_run_id=run_id, status=Status.PENDING).update(max_attempts=1)
+
+
 def outbox(run_id: str) -> list[dict[str, Any]]:
     """The run's outbox events in order."""
     rows = OutboxEvent.objects.filter(workflow_run_id=run_id).order_by("sequence")
@@ -134,7 +140,7 @@ def test_single_stage_run_completes_with_output(kernel_for: KernelFor) -> None:
 
     result = execute(kernel, run_id, "answer")
     assert (result.outcome, result.output, result.error) == ("completed", {"result": 42}, None)
-    assert kernel.dispatch(TransitionRun(run_id)).action == "completed"
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED  # by the outcome
 
     run = WorkflowRun.objects.get(pk=run_id)
     assert run.status == Status.COMPLETED
@@ -240,7 +246,7 @@ def test_parallel_stages_get_one_job_each_and_complete(kernel_for: KernelFor) ->
     assert execute(kernel, run_id, "plus").outcome == "completed"
     assert kernel.dispatch(TransitionRun(run_id)).action == "noop"  # sibling still PENDING
     assert execute(kernel, run_id, "times").outcome == "completed"
-    assert kernel.dispatch(TransitionRun(run_id)).action == "completed"
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED  # by the outcome
 
     run = WorkflowRun.objects.get(pk=run_id)
     assert run.status == Status.COMPLETED
@@ -415,9 +421,10 @@ def test_transition_after_failure_fails_run_with_stage_error(kernel_for: KernelF
     wf = define_workflow(id="boom").pipe(boom_stage()).build()
     kernel = kernel_for(wf)
     run_id = start_run(kernel, "boom")
+    final_delivery(run_id)
     execute(kernel, run_id, "explode")
 
-    assert kernel.dispatch(TransitionRun(run_id)).action == "failed"
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.FAILED  # by the outcome
     run = WorkflowRun.objects.get(pk=run_id)
     assert run.status == Status.FAILED
     assert run.completed_at is not None
@@ -436,9 +443,10 @@ def test_only_failing_stage_is_failed_and_later_stages_never_run(kernel_for: Ker
     run_id = start_run(kernel, "failing")
 
     assert execute(kernel, run_id, "ok").outcome == "completed"
-    assert kernel.dispatch(TransitionRun(run_id)).action == "advanced"
+    assert kernel.dispatch(TransitionRun(run_id)).action == "noop"  # the outcome advanced
+    final_delivery(run_id)
     assert execute(kernel, run_id, "explode").outcome == "failed"
-    assert kernel.dispatch(TransitionRun(run_id)).action == "failed"
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.FAILED  # by the outcome
 
     statuses = dict(WorkflowStage.objects.filter(run_id=run_id).values_list("stage_id", "status"))
     assert statuses == {"ok": Status.COMPLETED, "explode": Status.FAILED}

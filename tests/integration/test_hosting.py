@@ -133,6 +133,41 @@ def test_max_jobs_bounds_one_invocation(kernel_for: KernelFor) -> None:
     assert statuses == [Status.COMPLETED, Status.COMPLETED, Status.PENDING]
 
 
+def test_execute_job_of_a_lease_taken_over_runs_nothing(kernel_for: KernelFor) -> None:
+    """``execute_job`` enters the stage path at the given job fenced by its token (job id and
+    ``attempt``): a job another delivery has leased since (a higher ``attempt``) is not run
+    and not changed; a job that is no longer RUNNING neither."""
+    calls: list[int] = []
+
+    def body(ctx: StageContext[Num, Any]) -> Num:
+        calls.append(1)
+        return ctx.input
+
+    kernel = kernel_for(_single(define_stage(id="once", input=Num, output=Num, execute=body)))
+    run_id = _create(kernel, "single")
+    run_maintenance_tick(kernel, "t")
+    job = kernel.queue.dequeue("w")
+    assert job is not None
+    WorkflowJob.objects.filter(pk=job.pk).update(attempt=job.attempt + 1, worker_id="other")
+
+    outcome = execute_job(kernel, job)
+
+    assert outcome.outcome == "failed" and "no longer this lease's" in (outcome.error or "")
+    assert calls == []
+    taken = WorkflowJob.objects.get(pk=job.pk)
+    assert (taken.status, taken.attempt, taken.worker_id) == (
+        Status.RUNNING,
+        job.attempt + 1,
+        "other",
+    )
+    assert WorkflowStage.objects.get(run_id=run_id).status == Status.PENDING
+
+    job.refresh_from_db()
+    assert execute_job(kernel, job).outcome == "completed"  # the current token delivers it
+    assert calls == [1]
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED
+
+
 def test_throwing_stage_outcome_is_failed_with_its_message(kernel_for: KernelFor) -> None:
     """H-7/H-8, E.3 :312: ``execute_job`` of a stage that raises returns outcome ``failed`` with
     the error text; the job is scheduled for a retry (deliveries left)."""

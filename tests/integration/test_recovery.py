@@ -361,15 +361,18 @@ def test_given_up_stage_fails_the_run_once_its_parallel_sibling_finishes(
 def test_given_up_job_of_a_completed_stage_completes_and_advances_the_run(
     kernel_for: KernelFor, clock: FakeClock
 ) -> None:
-    """Part I item 3, K-JE-5, EC-11: the worker died after Phase 3 committed the stage: the
-    exhausted job is settled COMPLETED (not failed) and ``run.transition`` advances the run,
-    which then completes normally."""
+    """Part I item 3, K-JE-5, EC-11: a job left RUNNING, exhausted, whose stage record is
+    COMPLETED (the outcome transaction settles the job with the record, so only a job left
+    by an engine that settled them apart looks like this): the reaper settles it COMPLETED
+    (not failed), the run advanced and then completes normally."""
     kernel = kernel_for(two_stage())
     run_id = _start(kernel)
     job = kernel.queue.dequeue("w")
     assert job is not None
-    assert _execute(kernel, job).outcome == "completed"  # ... and the worker dies here
-    WorkflowJob.objects.filter(pk=job.pk).update(max_attempts=1)
+    assert _execute(kernel, job).outcome == "completed"
+    WorkflowJob.objects.filter(pk=job.pk).update(
+        status=Status.RUNNING, worker_id="w", locked_at=job.locked_at, max_attempts=1
+    )  # ... left RUNNING, its worker dead
     clock.advance(STALE + 1)
 
     assert kernel.dispatch(ReapStaleLeases(stale_threshold_seconds=STALE)).failed == 1
@@ -384,16 +387,19 @@ def test_given_up_job_of_a_completed_stage_completes_and_advances_the_run(
 def test_given_up_job_of_a_suspended_stage_is_left_to_the_poller(
     kernel_for: KernelFor, clock: FakeClock
 ) -> None:
-    """Part I item 3, SM-22/26: the worker died after Phase 3 suspended the stage: the exhausted
-    job becomes SUSPENDED at the stage's next poll (no events, run still RUNNING); the poller
-    resumes the stage, completes the job and the run finishes."""
+    """Part I item 3, SM-22/26: a job left RUNNING, exhausted, whose stage record is SUSPENDED
+    (as above: only a job left by an engine that settled them apart): it becomes SUSPENDED at
+    the stage's next poll (no events, run still RUNNING); the poller resumes the stage,
+    completes the job and the run finishes."""
     wf = define_workflow(id="with-batch").pipe(async_stage()).pipe(add(1)).build()
     kernel = kernel_for(wf)
     run_id = _start(kernel, "with-batch")
     job = kernel.queue.dequeue("w")
     assert job is not None
-    assert _execute(kernel, job).outcome == "suspended"  # ... and the worker dies here
-    WorkflowJob.objects.filter(pk=job.pk).update(max_attempts=1)
+    assert _execute(kernel, job).outcome == "suspended"
+    WorkflowJob.objects.filter(pk=job.pk).update(
+        status=Status.RUNNING, worker_id="w", locked_at=job.locked_at, max_attempts=1
+    )  # ... left RUNNING, its worker dead
     events_before = OutboxEvent.objects.filter(workflow_run_id=run_id).count()
     clock.advance(STALE + 1)
 

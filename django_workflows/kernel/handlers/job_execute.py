@@ -1,52 +1,42 @@
-"""``job.execute`` (SPEC §4.6, K-JE-1..19; Part I items 1, 6, 7, 9).
+"""``job.execute`` (SPEC §4.6): a thin entry into the stage path (:mod:`..delivery`).
 
-Pre-flight (no transaction): resolve workflow, stage and run (errors raise, K-JE-1); a run that
-is not RUNNING is a ghost (K-JE-3); a COMPLETED record returns its stored output without running
-the stage again (K-JE-5).
+It resolves the workflow, the stage and the run (errors raise, K-JE-1), picks the job of that
+(run, stage) - the stage's newest job - and delivers it the way a worker
+does: :func:`..stage_path.lease.lease_job` (transaction 1: the run locked, the job leased, the
+RUNNING guard, K-JE-5, the stage started), :func:`..stage_path.execute.execute` (the body,
+no transaction), :func:`..stage_path.outcome.commit_outcome` (transaction 3: the job settled
+fenced by its token, the outcome written and the run transitioned, in one commit). The next
+stage is not continued here: its jobs are queued for the workers. The stage runs with its
+job's config (the run's config map); a ``config`` that differs from it is refused
+(:class:`..errors.InvalidCommandError`, ``field="config"``), nothing changed.
 
-Phase 1 (one transaction, RUNNING guard): the stage record becomes RUNNING with
-``started_at``; the previous execution's error, suspension and progress fields are cleared
-(Part I item 9); ``stage:started`` is appended. Committed, so other readers see it.
-
-Phase 2 (no transaction): resolve the input from the previous group (WF-40/41) and run the stage
-through the executor with the outputs of earlier groups as its context (Part I item 7).
-
-Phase 3 (one transaction, RUNNING guard = row lock on the run, Part I item 1): write the outcome
-(COMPLETED with the output blob / SUSPENDED / FAILED), the buffered annotations and the events
-(progress, then the outcome event, then ``annotation:created``). If the run left RUNNING the
-transaction rolls back everything and the result is a ghost failure. ``job.execute`` never
-touches the job queue or the run status (K-JE-19).
+Deliberate difference from SPEC K-JE-19 / H-5: the command settles the job and transitions
+the run (the production path), it does not leave them to the caller.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from django.db import transaction
-
-from ...models import Status, WorkflowRun
-from .. import events as ev
+from ...models import Status, WorkflowJob, WorkflowRun
 from ..commands import ExecuteJob, ExecuteJobResult
-from ..errors import RunNotFoundError, RunNotRunningError, StageNotFoundError, WorkflowNotFoundError
-from ..locking import parse_run_id, require_running
-from ..outbox import append_events, new_causation_id
-from ..services import KernelStageServices
-from ..stage_path.records import run_stage, start_stage, write_outcome
-from ..store import load_outputs, stages_of, write_log
+from ..errors import (
+    InvalidCommandError,
+    RunNotFoundError,
+    StageNotFoundError,
+    WorkflowNotFoundError,
+)
+from ..locking import parse_run_id
+from ..stage_path.execute import execute
+from ..stage_path.lease import lease_job
+from ..stage_path.outcome import commit_outcome
+from ..store import load_outputs, stages_of
 
 if TYPE_CHECKING:
     from ..dispatch import Kernel
 
-
-def _ghost(exc: RunNotRunningError, after: bool = False) -> ExecuteJobResult:
-    if after:
-        error = (
-            f"Workflow run {exc.run_id} was {exc.status} after stage execution; "
-            "the result was discarded (expected RUNNING)"
-        )
-    else:
-        error = str(exc)
-    return ExecuteJobResult("failed", error=error, ghost=True, retryable=False)
+#: The worker id of a job leased by ``job.execute`` itself (one that was PENDING).
+WORKER_ID = "job.execute"
 
 
 def handle(kernel: Kernel, cmd: ExecuteJob) -> ExecuteJobResult:
@@ -55,89 +45,65 @@ def handle(kernel: Kernel, cmd: ExecuteJob) -> ExecuteJobResult:
         raise WorkflowNotFoundError(cmd.workflow_id)
     if not workflow.has_stage(cmd.stage_id):
         raise StageNotFoundError(workflow.id, cmd.stage_id, workflow.stage_ids)
-    node = workflow.node(cmd.stage_id)
     run_id = parse_run_id(cmd.workflow_run_id)
-    run = WorkflowRun.objects.filter(pk=run_id).first()
-    if run is None:
+    if not WorkflowRun.objects.filter(pk=run_id).exists():
         raise RunNotFoundError(run_id)
-    start = kernel.clock.now()
-    causation = cmd.idempotency_key or new_causation_id()
-    if run.status != Status.RUNNING:
-        return _ghost(RunNotRunningError(run_id, run.status))
+    jobs = WorkflowJob.objects.filter(workflow_run_id=run_id, stage_id=cmd.stage_id)
+    job_id, payload = jobs.order_by("-id").values_list("pk", "payload").first() or (None, None)
+    job_config = (payload or {}).get("config") or {}
+    if cmd.config and cmd.config != job_config:
+        raise InvalidCommandError(
+            f"config differs from the config of the job of stage {cmd.stage_id!r} (the run's "
+            "config map): the stage runs with the job's config; leave config empty or pass "
+            "the run's",
+            field="config",
+        )
+    delivery = None
+    if job_id is not None:
+        delivery, _ = lease_job(kernel, job_id, WORKER_ID)
+    if delivery is None:
+        return _not_started(kernel, run_id, cmd, job_id)
+    outcome, services = execute(kernel, delivery)
+    done = commit_outcome(kernel, delivery, outcome, services, None)
+    if done.result is not None:
+        result: ExecuteJobResult = done.result
+        return result
+    if done.outcome == "ghost":
+        return ExecuteJobResult("failed", error=done.error, ghost=True, retryable=False)
+    return ExecuteJobResult(
+        "completed" if done.outcome == "completed" else "failed",
+        error=done.error,
+        retryable=False if done.outcome == "discarded" else None,
+    )
 
-    records = stages_of(run_id)
-    record = next((r for r in records if r.stage_id == node.stage.id), None)
+
+def _not_started(
+    kernel: Kernel, run_id: object, cmd: ExecuteJob, job_id: int | None
+) -> ExecuteJobResult:
+    """The answer when the stage was not started: the run is not RUNNING (a ghost, K-JE-3),
+    the stage already COMPLETED (its stored output, K-JE-5), or there is no job to deliver.
+    """
+    run = WorkflowRun.objects.get(pk=run_id)
+    if run.status != Status.RUNNING:
+        return ExecuteJobResult(
+            "failed",
+            error=f"Workflow run {run.pk} is {run.status}, not RUNNING; job not executed",
+            ghost=True,
+            retryable=False,
+        )
+    record = next((r for r in stages_of(run.pk) if r.stage_id == cmd.stage_id), None)
     if record is not None and record.status == Status.COMPLETED:
         return ExecuteJobResult(
-            "completed", output=load_outputs(kernel.blobs, [record]).get(node.stage.id)
+            "completed", output=load_outputs(kernel.blobs, [record]).get(cmd.stage_id)
         )
-    earlier = [
-        r
-        for r in records
-        if r.execution_group < node.execution_group and r.status == Status.COMPLETED
-    ]
-    raw_outputs = load_outputs(kernel.blobs, earlier)
-    resume_state = record.suspended_state if record is not None else None
-
-    # Phase 1
-    try:
-        with transaction.atomic():
-            require_running(run_id)
-            record = start_stage(run, node, record, cmd.config, start)
-            append_events(
-                [
-                    ev.event(
-                        ev.STAGE_STARTED,
-                        run_id,
-                        start,
-                        stage_id=node.stage.id,
-                        stage_name=node.stage.name,
-                        stage_number=node.stage_number,
-                    )
-                ],
-                causation,
-                start,
-            )
-    except RunNotRunningError as exc:
-        return _ghost(exc)
-
-    # Phase 2
-    services = KernelStageServices(
-        clock=kernel.clock,
-        blobs=kernel.blobs,
-        workflow_type=run.workflow_type,
-        run_id=run_id,
-        stage_id=node.stage.id,
-        stage_pk=record.pk,
+    if job_id is None:
+        raise InvalidCommandError(
+            f"Run {run.pk} has no job for stage {cmd.stage_id!r} to execute "
+            "(its group has not been reached yet)"
+        )
+    status = WorkflowJob.objects.filter(pk=job_id).values_list("status", flat=True).first()
+    return ExecuteJobResult(
+        "failed",
+        error=f"Job {job_id} of stage {cmd.stage_id!r} is {status}; it was not executed",
+        retryable=False,
     )
-    outcome = run_stage(
-        kernel, workflow, node, run, record, cmd.config, raw_outputs, resume_state, services, start
-    )
-    for warning in outcome.warnings:
-        write_log(
-            kernel.clock.now(),
-            "WARN",
-            warning,
-            run_id=run_id,
-            stage_pk=record.pk,
-            metadata={"stage_id": node.stage.id},
-        )
-
-    # Phase 3
-    try:
-        with transaction.atomic():
-            run = require_running(run_id)
-            now = kernel.clock.now()
-            result, events = write_outcome(kernel, run, node, record, outcome, services, start, now)
-            append_events(events, causation, now)
-    except RunNotRunningError as exc:
-        return _ghost(exc, after=True)
-    if result.outcome == "failed":
-        write_log(
-            kernel.clock.now(),
-            "ERROR",
-            f"Stage {node.stage.id} failed: {result.error}",
-            run_id=run_id,
-            stage_pk=record.pk,
-        )
-    return result

@@ -57,6 +57,10 @@ class Outcome:
     error: str | None = None
     retrying: bool = False
     next: Delivery | None = None
+    #: What the outcome transaction wrote for the stage (an ``ExecuteJobResult``: its output,
+    #: ``next_poll_at``, ``retryable``); ``None`` for a ghost, a discarded delivery, or an
+    #: outcome found committed after a lost acknowledgement.
+    result: Any = None
 
 
 class _Discard(Exception):

@@ -18,7 +18,7 @@ from .. import events as ev
 from ..connections import retry_on_disconnect
 from ..faults import fault_point
 from ..handlers.run_claim_pending import start_claimed_run
-from ..locking import LOCKED, claim_next_pending_run, try_lock_run
+from ..locking import LOCKED, claim_next_pending_run, lock_run, try_lock_run
 from ..outbox import append_events, caused_by, new_causation_id
 from ..store import load_outputs, run_error, stages_of, update_run, update_stage, write_log
 from . import Delivery
@@ -364,3 +364,58 @@ def _adopt_orphan(
         resume_state=None,
         started_at=record.started_at or kernel.clock.now(),
     )
+
+
+def lease_job(
+    kernel: Kernel, job_id: int, worker_id: str, *, attempt: int | None = None
+) -> tuple[Delivery | None, WorkflowJob | None]:
+    """Transaction 1 for one given job (the entry of ``job.execute`` and
+    :func:`..hosting.execute_job`): lock its run, lease the job, then :func:`begin` - the same
+    guards as :func:`lease` (RUNNING guard, K-JE-5, definition mismatch, deliveries used up).
+
+    A PENDING job is leased to ``worker_id`` (RUNNING, ``attempt + 1``, lease stamped by the
+    lease clock). A RUNNING job is taken as the caller's own lease (it dequeued it) when
+    ``attempt`` is ``None`` or equals the job's attempt (the token). The run is locked before
+    the job, the order a cancel takes, so the two never deadlock.
+
+    Returns ``(delivery, job)``: ``delivery`` is ``None`` when the job was settled instead of
+    started (see :func:`begin`) or could not be leased (gone, in another status, another
+    token, or given up because its deliveries were used up); ``job`` is the job row as leased
+    (``None``: not leased).
+
+    Raises:
+        django.db.OperationalError: the database stayed unreachable for ``RECONNECT_SECONDS``.
+    """
+
+    def one_try() -> tuple[Delivery | None, WorkflowJob | None]:
+        with transaction.atomic():
+            run_id = (
+                WorkflowJob.objects.filter(pk=job_id)
+                .values_list("workflow_run_id", flat=True)
+                .first()
+            )
+            if run_id is None:
+                return None, None
+            run = lock_run(run_id)
+            job = WorkflowJob.objects.select_for_update().filter(pk=job_id).first()
+            if job is None:
+                return None, None
+            if job.status == Status.RUNNING:
+                if attempt is not None and job.attempt != attempt:
+                    return None, None
+            elif job.status != Status.PENDING:
+                return None, None
+            elif job.attempt >= job.max_attempts:
+                kernel.queue.give_up(job)
+                return None, None
+            elif not kernel.queue.lease(job, worker_id):
+                return None, None
+            events: list[dict[str, Any]] = []
+            delivery = begin(kernel, job, run, events)
+            append_events(events, new_causation_id(), kernel.clock.now())
+        return delivery, job
+
+    found = retry_on_disconnect(one_try, what=f"lease of job {job_id}")
+    if found[0] is not None:
+        fault_point("lease.after_commit")
+    return found

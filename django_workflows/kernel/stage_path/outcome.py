@@ -127,6 +127,7 @@ def _outcome_transaction(
         error=stage_result.error,
         retrying=result == Status.PENDING,
         next=following,
+        result=stage_result,
     )
 
 
