@@ -49,8 +49,8 @@ class RunCursorPagination(CursorPagination):
         except ValueError:
             size = 0
         if not 1 <= size <= self.max_page_size:
-            message = f"page_size: expected an integer from 1 to {self.max_page_size}"
-            raise APIError(message, code="invalid", errors={"page_size": [message]})
+            detail = f"expected an integer from 1 to {self.max_page_size}"
+            raise APIError(f"page_size: {detail}", code="invalid", errors={"page_size": [detail]})
         return size
 
     # --- cursors: base64 of {"r": reverse, "t": created_at ISO, "i": id} ---------------------
@@ -66,8 +66,10 @@ class RunCursorPagination(CursorPagination):
                 raise ValueError("bad time")
             return bool(data.get("r")), when, uuid.UUID(str(data["i"]))
         except (KeyError, TypeError, ValueError, UnicodeError, binascii.Error):
-            message = "cursor: not a cursor this API returned"
-            raise APIError(message, code="invalid", errors={"cursor": [message]}) from None
+            detail = "not a cursor this API returned"
+            raise APIError(
+                f"cursor: {detail}", code="invalid", errors={"cursor": [detail]}
+            ) from None
 
     def _encode(self, reverse: bool, row: Any) -> str:
         data = {"r": int(reverse), "t": row.created_at.isoformat(), "i": str(row.pk)}

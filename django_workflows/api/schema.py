@@ -157,7 +157,13 @@ class WorkflowsSchemaView(_SettingsDriven, SpectacularAPIView):
 
     custom_settings = SCHEMA_SETTINGS
     renderer_classes = [OpenApiJsonRenderer, OpenApiYamlRenderer]
+    #: Not part of the API's document either (see :class:`WorkflowsDocsView`).
+    schema = None
 
 
 class WorkflowsDocsView(_SettingsDriven, SpectacularSwaggerView):
     """``GET docs/``: Swagger UI over ``schema/``."""
+
+    #: Not part of the API's document (drf-spectacular's own ``check --deploy`` generation,
+    #: with DRF's default schema class, refused the view as having an incompatible AutoSchema).
+    schema = None
