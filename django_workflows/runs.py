@@ -243,9 +243,12 @@ def waiting_reasons(
         if not version:
             return False
         if advertised is None:
-            from .kernel import versions
+            if live_versions is not None:
+                advertised = live_versions()
+            else:
+                from .kernel import versions
 
-            advertised = (live_versions or versions.live_versions)()
+                advertised = versions.live_versions(lease_clock=get_kernel().lease_clock)
         return bool(advertised) and version not in advertised.get(workflow_id, ())
 
     if run.status == Status.PENDING:

@@ -273,4 +273,3 @@ def insert_annotations(
         # ignore_conflicts stays as a last line of defence against a writer without the lock
         WorkflowAnnotation.objects.bulk_create(rows, ignore_conflicts=True)
     return len(rows), events
-
