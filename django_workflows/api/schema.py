@@ -38,7 +38,6 @@ def only_workflow_views(endpoints: list[tuple[Any, ...]], **kwargs: Any) -> list
     return out
 
 
-
 def _body_component_names() -> set[str]:
     """Component names of the request bodies (``<Name>Request`` of every ``BodySerializer``
     subclass: drf-spectacular's name with ``COMPONENT_SPLIT_REQUEST``)."""
