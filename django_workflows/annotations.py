@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import date, datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar, cast
@@ -398,13 +398,31 @@ def build_inputs(
     return inputs
 
 
+#: Published key string -> its typed key (AN-51). Filled by :mod:`django_workflows.conventions`
+#: when it is imported (:func:`publish_keys`); the package initialiser imports it, so it is
+#: filled before any annotation is validated. Registered, not imported, so this module does not
+#: import the conventions that are built from its types (an import circle).
+_PUBLISHED: dict[str, TypedKey[Any]] = {}
+
+
+def publish_keys(keys: Iterable[TypedKey[Any]]) -> None:
+    """Register published typed keys (the conventions' namespaces, AN-51): a value written
+    under one of their key strings - as a plain string too - is checked against its type.
+
+    Raises:
+        ValueError: a key string is registered already with a different typed key.
+    """
+    for typed in keys:
+        known = _PUBLISHED.setdefault(typed.key, typed)
+        if known is not typed:
+            raise ValueError(f"published key {typed.key!r} is registered already")
+
+
 def _published(key: str) -> TypedKey[Any] | None:
     """The convention's typed key for a published key string, so its value type is checked
     whichever way the key is written (AN-51).
     """
-    from .conventions import published_key
-
-    return published_key(key)
+    return _PUBLISHED.get(key)
 
 
 def inputs_from_envelope(

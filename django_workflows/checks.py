@@ -285,12 +285,13 @@ def check_definition_versions(app_configs: Any = None, **kwargs: Any) -> list[An
 
     from .definition.registry import registry
     from .kernel import versions
+    from .kernel.runtime import get_kernel
 
     try:
         with transaction.atomic():  # a savepoint: a missing table must not break the caller's
             in_flight = versions.in_flight_versions()
             unrunnable = versions.unrunnable(registry, in_flight)
-            live = versions.live_workers() if unrunnable else {}
+            live = versions.live_workers(lease_clock=get_kernel().lease_clock) if unrunnable else {}
             mismatched = versions.mismatched_structures(registry, in_flight)
     except (DatabaseError, RuntimeError):  # RuntimeError: database access blocked (tests)
         return []

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .annotations import IsoTimestamp, RunIdString, TypedKey, typed_key
+from .annotations import IsoTimestamp, RunIdString, TypedKey, publish_keys, typed_key
 
 
 class Trigger:
@@ -151,6 +151,7 @@ def with_published_types(attributes: Mapping[Any, Any]) -> dict[Any, Any]:
 
 
 _BY_KEY: dict[str, TypedKey[Any]] = {k.key: k for _, _, k in published_keys()}
+publish_keys(_BY_KEY.values())
 
 __all__ = [
     "NAMESPACES",

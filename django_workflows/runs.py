@@ -219,8 +219,8 @@ def waiting_reasons(
             :func:`django_workflows.kernel.routing.live_queues`, one query); a list page passes
             one memoised function for all its runs.
         live_versions: returns the definition versions live workers run (default:
-            :func:`django_workflows.kernel.versions.live_versions`, one query); memoised
-            like ``live_queues``.
+            :func:`django_workflows.kernel.versions.live_versions` with the default kernel's
+            lease clock, one query); memoised like ``live_queues``.
 
     Used by the admin (list and run page), the HTTP API (``waiting``) and usable by the CLI.
     A ready job whose queue no live worker serves (stage routing) is ``no_worker``: "waiting
@@ -243,9 +243,12 @@ def waiting_reasons(
         if not version:
             return False
         if advertised is None:
-            from .kernel import versions
+            if live_versions is not None:
+                advertised = live_versions()
+            else:
+                from .kernel import versions
 
-            advertised = (live_versions or versions.live_versions)()
+                advertised = versions.live_versions(lease_clock=get_kernel().lease_clock)
         return bool(advertised) and version not in advertised.get(workflow_id, ())
 
     if run.status == Status.PENDING:

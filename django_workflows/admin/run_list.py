@@ -166,9 +166,10 @@ def attach_page_data(runs: list[WorkflowRun]) -> None:
 
     def live_versions() -> dict[str, set[str]]:  # one query per page, only if versions matter
         if not versions:
+            from ..kernel.runtime import get_kernel
             from ..kernel.versions import live_versions as read
 
-            versions.append(read())
+            versions.append(read(lease_clock=get_kernel().lease_clock))
         return versions[0]
 
     structures = page_structures(runs)

@@ -364,9 +364,7 @@ class WorkflowScheduleAdmin(ReadOnlyAdmin):
         back = self._url("change", row.pk)
 
         def perform(data: dict[str, Any]) -> str:
-            result = get_kernel().dispatch(
-                BackfillSchedule(row.name, data["start"], data["end"])
-            )
+            result = get_kernel().dispatch(BackfillSchedule(row.name, data["start"], data["end"]))
             log_operation(
                 request,
                 row,

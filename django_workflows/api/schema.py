@@ -38,16 +38,6 @@ def only_workflow_views(endpoints: list[tuple[Any, ...]], **kwargs: Any) -> list
     return out
 
 
-#: What the server accepts as ``Idempotency-Key`` (``RunListView.idempotency_key``): 1-255
-#: printable ASCII characters, not only spaces.
-IDEMPOTENCY_KEY_SCHEMA = {
-    "type": "string",
-    "minLength": 1,
-    "maxLength": 255,
-    "pattern": "^[ -~]*[!-~][ -~]*$",
-}
-
-
 def _body_component_names() -> set[str]:
     """Component names of the request bodies (``<Name>Request`` of every ``BodySerializer``
     subclass: drf-spectacular's name with ``COMPONENT_SPLIT_REQUEST``)."""

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from typing_extensions import TypeVar
 
 from ..annotations import AnnotationInput, annotate_inputs
-from .stage import NoConfig
+from .noconfig import NoConfig
 
 InputT = TypeVar("InputT", bound=BaseModel)
 #: ``StageContext[In]`` (one parameter) is ``StageContext[In, NoConfig]``: a stage without

@@ -33,6 +33,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
+from .noconfig import NoConfig
+
 #: Stage and workflow ids: lower-case letters, digits, ``-`` and ``_``; 1-100 characters,
 #: starting with a letter or digit (Part I item 5, WF-36).
 ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,99}$")
@@ -53,12 +55,6 @@ class WorkflowDefinitionError(ValueError):
 
 class NoInput(BaseModel):
     """The input model of a stage that takes no input: accepts any object, yields ``{}`` (WF-6)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-
-class NoConfig(BaseModel):
-    """The config model of a stage without configuration."""
 
     model_config = ConfigDict(extra="ignore")
 

@@ -41,13 +41,11 @@ RETRY_SECONDS = 0.25
 
 def flush_lease_seconds() -> float:
     """TTL of the ``outbox-flush`` lease, in seconds: the ticker lease's
-    (:func:`.supervisor.ticker_lease_seconds`: ``TICKER_LEASE_SECONDS``, at most
+    (:func:`.leases.ticker_lease_seconds`: ``TICKER_LEASE_SECONDS``, at most
     ``STALE_LEASE_SECONDS``). A flusher whose host died or was cut off holding it stops
     blocking event delivery after this long; a live one refreshes it while it flushes.
     """
-    from .supervisor import ticker_lease_seconds
-
-    return ticker_lease_seconds()
+    return leases.ticker_lease_seconds()
 
 
 def flush_outbox(kernel: Kernel, owner: str, *, max_events: int = FLUSH_BATCH) -> int | None:
@@ -55,13 +53,11 @@ def flush_outbox(kernel: Kernel, owner: str, *, max_events: int = FLUSH_BATCH) -
     were published, or ``None`` when another process holds the lease.
 
     The lease lasts :func:`flush_lease_seconds` and is refreshed while the pass runs (a
-    :class:`.hosting.LeaseKeeper`; slow plugins may make a pass longer than the TTL), so a
+    :class:`.leases.LeaseKeeper`; slow plugins may make a pass longer than the TTL), so a
     partitioned or dead holder blocks the other processes' flushes at most that long
     (issue 17; it was a fixed 30 s).
     """
     from django.db import connection
-
-    from .hosting import LeaseKeeper, lease_heartbeat_seconds
 
     ttl = flush_lease_seconds()
     if not leases.acquire_lease(kernel.lease_clock, FLUSH_LEASE, owner, ttl):
@@ -69,7 +65,9 @@ def flush_outbox(kernel: Kernel, owner: str, *, max_events: int = FLUSH_BATCH) -
     try:
         if connection.in_atomic_block:  # nobody else sees the lease before the commit
             return int(kernel.dispatch(FlushOutbox(max_events=max_events)).published)
-        with LeaseKeeper(kernel, FLUSH_LEASE, owner, ttl, lease_heartbeat_seconds(ttl)):
+        with leases.LeaseKeeper(
+            kernel, FLUSH_LEASE, owner, ttl, leases.lease_heartbeat_seconds(ttl)
+        ):
             return int(kernel.dispatch(FlushOutbox(max_events=max_events)).published)
     finally:
         leases.release_lease(FLUSH_LEASE, owner)

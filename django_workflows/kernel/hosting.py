@@ -163,12 +163,10 @@ release_lease = leases.release_lease
 
 def maintenance_lease_seconds() -> float:
     """TTL of the ``maintenance-tick`` lease: the ticker lease's TTL
-    (:func:`.supervisor.ticker_lease_seconds`, at most ``STALE_LEASE_SECONDS``), so a process
+    (:func:`.leases.ticker_lease_seconds`, at most ``STALE_LEASE_SECONDS``), so a process
     that dies mid-tick blocks maintenance no longer than a dead ticker does.
     """
-    from .supervisor import ticker_lease_seconds
-
-    return ticker_lease_seconds()
+    return leases.ticker_lease_seconds()
 
 
 def lease_is_free(kernel: Kernel, name: str) -> bool:

@@ -111,6 +111,20 @@ def lease_is_free(lease_clock: LeaseClock, name: str) -> bool:
     return not MaintenanceLease.objects.filter(name=name, expires_at__gt=lease_clock.now()).exists()
 
 
+def ticker_lease_seconds() -> float:
+    """TTL of the ``ticker`` lease (and of the ``maintenance-tick`` lease), in seconds:
+    ``TICKER_LEASE_SECONDS``, at most ``STALE_LEASE_SECONDS``.
+
+    A dead host may hold both a job and the ticker lease; capping the ticker's TTL at the job
+    lease's threshold means a new ticker is up by the time the dead worker's job is stale, so
+    the job is re-delivered within about ``STALE_LEASE_SECONDS`` + ``SUPERVISOR_INTERVAL_SECONDS``
+    + one tick.
+    """
+    return min(
+        float(workflow_settings.TICKER_LEASE_SECONDS), float(workflow_settings.STALE_LEASE_SECONDS)
+    )
+
+
 def lease_heartbeat_seconds(ttl_seconds: float) -> float:
     """How often a held maintenance lease is refreshed: ``HEARTBEAT_INTERVAL_SECONDS``, at most
     a third of the lease's TTL.

@@ -50,13 +50,9 @@ from ..definition.schedule import (
 from ..models import Status, WorkflowRun, WorkflowSchedule
 from .commands import (
     AnnotationSpec,
-    BackfillSchedule,
     BackfillScheduleResult,
     CancelRun,
     CreateRun,
-    PauseSchedule,
-    ResumeSchedule,
-    TriggerSchedule,
 )
 from .errors import (
     InvalidCommandError,
@@ -479,59 +475,12 @@ def fire_due_schedules(
 # --- operator operations ------------------------------------------------------------------------
 
 
-def _kernel(kernel: Kernel | None) -> Kernel:
-    if kernel is not None:
-        return kernel
-    from .runtime import get_kernel
-
-    return get_kernel()
-
-
 def get_schedule(name: str) -> WorkflowSchedule:
     """The row ``name``. Raises :class:`ScheduleNotFoundError`."""
     row = WorkflowSchedule.objects.filter(pk=name).first()
     if row is None:
         raise ScheduleNotFoundError(name, known_schedule_names())
     return row
-
-
-def pause_schedule(name: str, reason: str = "", *, kernel: Kernel | None = None) -> bool:
-    """Pause schedule ``name`` (no firing until resumed): dispatches
-    :class:`~.commands.PauseSchedule`. ``False`` if it was paused already.
-
-    Raises:
-        ScheduleNotFoundError: no such schedule.
-    """
-    return bool(_kernel(kernel).dispatch(PauseSchedule(name, str(reason))).changed)
-
-
-def resume_schedule(name: str, *, kernel: Kernel | None = None) -> bool:
-    """Resume a paused schedule: dispatches :class:`~.commands.ResumeSchedule`. Its next
-    firing is the next scheduled time after now (times that passed while paused are not caught
-    up); ``False`` if it was not paused.
-
-    Raises:
-        ScheduleNotFoundError: no such schedule.
-        ScheduleOrphanedError: the schedule is orphaned: its definition is gone.
-    """
-    return bool(_kernel(kernel).dispatch(ResumeSchedule(name)).changed)
-
-
-def trigger_schedule(name: str, *, kernel: Kernel | None = None, actor: str = "") -> str:
-    """Start one run of schedule ``name`` now: dispatches :class:`~.commands.TriggerSchedule`
-    (also when paused; the overlap policy is not applied: an operator asked for it). Its
-    scheduled time is now; its idempotency key is ``schedule:<name>:manual:<now>``. Returns the
-    run id.
-
-    Raises:
-        ScheduleNotFoundError: no such schedule.
-        ScheduleOrphanedError: the schedule is orphaned: its definition is gone (nothing
-            written).
-        WorkflowNotFoundError, InvalidWorkflowInputError, InvalidWorkflowConfigError: the run
-            cannot be created (nothing written).
-    """
-    result = _kernel(kernel).dispatch(TriggerSchedule(name, actor=str(actor)))
-    return str(result.workflow_run_id)
 
 
 #: What :func:`backfill_schedule` returns (``times``, ``run_ids``, ``existing``, ``name``).
@@ -566,25 +515,6 @@ def check_backfill_range(start: datetime, end: datetime) -> None:
         )
 
 
-def backfill_schedule(
-    name: str, start: datetime, end: datetime, *, kernel: Kernel | None = None
-) -> BackfillScheduleResult:
-    """Start one run for every scheduled time of ``name`` in ``[start, end]``: dispatches
-    :class:`~.commands.BackfillSchedule` (oldest first; also when paused; overlap not
-    applied). Each uses the firing's own idempotency key, so a time the ticker fired already
-    (or an earlier backfill) is not started again.
-
-    Raises:
-        ScheduleNotFoundError: no such schedule.
-        InvalidCommandError: field ``start``/``end`` naive or outside the years
-            :data:`MIN_YEAR`-:data:`MAX_YEAR` (UTC), ``end`` before ``start``, or more than
-            :data:`MAX_BACKFILL` times in the range (nothing written).
-        ScheduleOrphanedError: the schedule is orphaned: its definition is gone (nothing
-            written).
-    """
-    return _kernel(kernel).dispatch(BackfillSchedule(name, start, end))  # type: ignore[no-any-return]
-
-
 def upcoming_times(row: WorkflowSchedule, count: int = 5) -> list[datetime]:
     """The next ``count`` scheduled times of ``row`` from its next firing on (``[]`` when it
     has none).
@@ -617,18 +547,14 @@ __all__ = [
     "ScheduleNotFoundError",
     "ScheduleOrphanedError",
     "SyncResult",
-    "backfill_schedule",
     "check_backfill_range",
     "fire_due_schedules",
     "firing_annotations",
     "get_schedule",
     "idempotency_key",
     "lock_operable",
-    "pause_schedule",
-    "resume_schedule",
     "set_next",
     "start_firing",
     "sync_schedules",
-    "trigger_schedule",
     "upcoming_times",
 ]

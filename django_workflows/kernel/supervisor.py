@@ -40,6 +40,7 @@ from ..models import MaintenanceLease, OutboxEvent, Status, WorkflowRun, Workflo
 from . import leases
 from .connections import retry_on_disconnect
 from .delivery import in_flight
+from .leases import ticker_lease_seconds
 
 if TYPE_CHECKING:
     from .dispatch import Kernel
@@ -54,20 +55,6 @@ STOP_POLL_SECONDS = 0.2
 #: After a release, how long the stage body may take to notice ``ctx.is_cancelled()`` and
 #: return before the process exits anyway.
 RELEASE_EXIT_SECONDS = 1.0
-
-
-def ticker_lease_seconds() -> float:
-    """TTL of the ``ticker`` lease (and of the ``maintenance-tick`` lease), in seconds:
-    ``TICKER_LEASE_SECONDS``, at most ``STALE_LEASE_SECONDS``.
-
-    A dead host may hold both a job and the ticker lease; capping the ticker's TTL at the job
-    lease's threshold means a new ticker is up by the time the dead worker's job is stale, so
-    the job is re-delivered within about ``STALE_LEASE_SECONDS`` + ``SUPERVISOR_INTERVAL_SECONDS``
-    + one tick.
-    """
-    return min(
-        float(workflow_settings.TICKER_LEASE_SECONDS), float(workflow_settings.STALE_LEASE_SECONDS)
-    )
 
 
 class Duty(Protocol):

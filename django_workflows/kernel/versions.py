@@ -169,12 +169,13 @@ def withdraw(worker_id: str) -> None:
     WorkflowWorkerVersions.objects.filter(worker_id=worker_id).delete()
 
 
-def live_versions(*, lease_clock: LeaseClock | None = None) -> dict[str, set[str]]:
-    """``{workflow_id: {version, ...}}`` that at least one live worker runs (one query)."""
-    if lease_clock is None:
-        from .runtime import get_kernel
+def live_versions(*, lease_clock: LeaseClock) -> dict[str, set[str]]:
+    """``{workflow_id: {version, ...}}`` that at least one live worker runs (one query).
 
-        lease_clock = get_kernel().lease_clock
+    ``lease_clock``: the kernel's (``kernel.lease_clock``; the default kernel's is
+    ``django_workflows.kernel.runtime.get_kernel().lease_clock``) - passed by the caller so
+    this module does not import :mod:`.runtime` (an import circle).
+    """
     found: dict[str, set[str]] = {}
     for versions in WorkflowWorkerVersions.objects.filter(
         expires_at__gt=lease_clock.now()
@@ -185,17 +186,14 @@ def live_versions(*, lease_clock: LeaseClock | None = None) -> dict[str, set[str
     return found
 
 
-def live_workers(*, lease_clock: LeaseClock | None = None) -> dict[tuple[str, str], list[str]]:
+def live_workers(*, lease_clock: LeaseClock) -> dict[tuple[str, str], list[str]]:
     """``{(workflow_id, version): [worker_id, ...]}``: which live worker processes advertise
     each version (ids sorted; a worker id names its host, ``worker-<host>-<pid>-<hex>``).
     One query on ``workflow_worker_versions``; expired rows do not count. Tells a correct
     side-by-side deploy (old runs run by a live old worker) from orphaned runs (the system
-    check ``django_workflows.W004``, ``workflows_list``).
+    check ``django_workflows.W004``, ``workflows_list``). ``lease_clock`` as for
+    :func:`live_versions`.
     """
-    if lease_clock is None:
-        from .runtime import get_kernel
-
-        lease_clock = get_kernel().lease_clock
     found: dict[tuple[str, str], list[str]] = {}
     rows = WorkflowWorkerVersions.objects.filter(expires_at__gt=lease_clock.now()).values_list(
         "worker_id", "versions"
@@ -298,13 +296,14 @@ def mismatched_structures(
     return sorted(found)
 
 
-def waiting_for_version(run: WorkflowRun, *, lease_clock: LeaseClock | None = None) -> str | None:
+def waiting_for_version(run: WorkflowRun, *, lease_clock: LeaseClock) -> str | None:
     """The definition version ``run`` waits for a worker with, or ``None``: the run is
     versioned, PENDING or with a ready PENDING job or a SUSPENDED one (its completion checks
     run on a worker of its version), workers advertise versions, and none runs
     the run's version (at most two queries; none for an unversioned or terminal run). For the
     CLI (``workflows_status``); the admin and the API use
-    :func:`django_workflows.runs.waiting_reasons`.
+    :func:`django_workflows.runs.waiting_reasons`. ``lease_clock`` as for
+    :func:`live_versions`.
     """
     from django.db.models import Q
 
@@ -313,10 +312,6 @@ def waiting_for_version(run: WorkflowRun, *, lease_clock: LeaseClock | None = No
     version = run.definition_version
     if not version or run.status not in IN_FLIGHT:
         return None
-    if lease_clock is None:
-        from .runtime import get_kernel
-
-        lease_clock = get_kernel().lease_clock
     if run.status == Status.RUNNING and not (
         WorkflowJob.objects.filter(
             Q(next_poll_at__isnull=True)

@@ -45,9 +45,7 @@ def test_an_unsupported_method_is_405_in_the_api_shape(root: APIClient, route: s
 
 
 @pytest.mark.parametrize("route", ["runs/", "schema/"])
-def test_an_unacceptable_accept_header_is_406_in_the_api_shape(
-    root: APIClient, route: str
-) -> None:
+def test_an_unacceptable_accept_header_is_406_in_the_api_shape(root: APIClient, route: str) -> None:
     response = root.get(f"{API}{route}", HTTP_ACCEPT="text/csv")
     assert_api_error(response, 406, "not_acceptable")
 

@@ -18,8 +18,9 @@ from django.urls import reverse
 
 from django_workflows import define_schedule
 from django_workflows.definition.registry import registry
-from django_workflows.kernel.schedules import fire_due_schedules, pause_schedule
+from django_workflows.kernel.schedules import fire_due_schedules
 from django_workflows.models import WorkflowSchedule
+from django_workflows.schedules import pause_schedule
 from django_workflows.testing import FakeClock, make_kernel
 from tests.workflows import two_stage
 

@@ -501,7 +501,10 @@ def test_a_job_no_live_worker_can_run_waits_for_a_worker_with_its_version(
     routing.announce("old-1", ["default"], lease_clock=old.lease_clock, registry=old.registry)
     (reason,) = waiting_reasons(WorkflowRun.objects.get(pk=started))
     assert reason.reason == "job_queued"
-    assert kv.waiting_for_version(WorkflowRun.objects.get(pk=started)) is None
+    assert (
+        kv.waiting_for_version(WorkflowRun.objects.get(pk=started), lease_clock=old.lease_clock)
+        is None
+    )
 
 
 def test_the_api_reports_the_version_and_the_wait(stranded: Any, admin_user: Any) -> None:

@@ -34,7 +34,6 @@ from ...runs import run_error, waiting_reasons
 from .. import serializers as s
 from ..errors import APIError, kernel_error
 from ..pagination import RunCursorPagination
-from ..schema import IDEMPOTENCY_KEY_SCHEMA
 from .base import (
     _BODY_ERRORS,
     RUN_LIST_FIELDS,
@@ -43,6 +42,16 @@ from .base import (
     document,
     get_run,
 )
+
+#: What the server accepts as ``Idempotency-Key`` (``RunListView.idempotency_key``): 1-255
+#: printable ASCII characters, not only spaces. Its OpenAPI schema; defined here, not in
+#: :mod:`django_workflows.api.schema`, which reads the views (an import circle).
+IDEMPOTENCY_KEY_SCHEMA = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 255,
+    "pattern": "^[ -~]*[!-~][ -~]*$",
+}
 
 
 def _json_query_value(raw: str) -> Any:

@@ -44,11 +44,12 @@ def live_workers_by_version() -> dict[tuple[str, str], list[str]]:
     [worker_id, ...]}``), or ``{}`` when the presence table cannot be read."""
     from django.db import DatabaseError, transaction
 
+    from django_workflows.kernel.runtime import get_kernel
     from django_workflows.kernel.versions import live_workers
 
     try:
         with transaction.atomic():
-            return live_workers()
+            return live_workers(lease_clock=get_kernel().lease_clock)
     except DatabaseError:
         return {}
 
@@ -142,9 +143,7 @@ class Command(BaseCommand):
         )
         if opts["json"]:
             document = {
-                "workflows": [
-                    workflow_document(wf, in_flight.get(wf.id), live) for wf in workflows
-                ]
+                "workflows": [workflow_document(wf, in_flight.get(wf.id), live) for wf in workflows]
             }
             self.stdout.write(json.dumps(document, indent=2, default=str))
             return

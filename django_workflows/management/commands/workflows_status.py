@@ -18,6 +18,7 @@ from django.core.management.base import BaseCommand, CommandParser
 from django.core.serializers.json import DjangoJSONEncoder
 
 from django_workflows.kernel.routing import describe_waiting, waiting_for_worker
+from django_workflows.kernel.runtime import get_kernel
 from django_workflows.kernel.versions import describe_missing_version, waiting_for_version
 from django_workflows.models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 
@@ -91,7 +92,7 @@ def run_document(
     if waiting_for is None:
         waiting_for = run_waiting(run, stages, jobs)
     waiting = waiting_for_worker(run.pk) if run.status in (Status.PENDING, Status.RUNNING) else []
-    version = None if waiting else waiting_for_version(run)
+    version = None if waiting else waiting_for_version(run, lease_clock=get_kernel().lease_clock)
     reason = describe_waiting(waiting) or (describe_missing_version(version) if version else None)
     return {
         "id": str(run.pk),
