@@ -20,8 +20,11 @@ from types import ModuleType
 
 import pytest
 
+import django_workflows
+
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "django_workflows"
+#: The imported package: the checkout, or the installed wheel (the Python 3.12 leg).
+PACKAGE = Path(django_workflows.__file__).resolve().parent
 
 
 def _tool() -> ModuleType:

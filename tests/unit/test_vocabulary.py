@@ -19,8 +19,11 @@ from typing import Any
 
 import pytest
 
+import django_workflows
+
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "django_workflows"
+#: The imported package: the checkout, or the installed wheel (the Python 3.12 leg).
+PACKAGE = Path(django_workflows.__file__).resolve().parent
 
 #: ``attempt`` as a word (not ``attempts``, ``max_attempts``, ``attempted``).
 WORD = re.compile(r"(?<![\w-])_?attempt(?![\w-])")
@@ -76,6 +79,13 @@ ALLOWED = {
 }
 
 
+def _rel(path: Path) -> str:
+    """``path`` as ``django_workflows/...`` inside the package, else relative to the checkout."""
+    if path.is_relative_to(PACKAGE.parent):
+        return path.relative_to(PACKAGE.parent).as_posix()
+    return path.relative_to(ROOT).as_posix()
+
+
 def _sources(*roots: Path, suffixes: tuple[str, ...]) -> list[Path]:
     files = []
     for root in roots:
@@ -83,7 +93,7 @@ def _sources(*roots: Path, suffixes: tuple[str, ...]) -> list[Path]:
         files += [
             p
             for p in paths
-            if p.suffix in suffixes and "migrations" not in p.relative_to(ROOT).parts
+            if p.suffix in suffixes and "migrations" not in _rel(p).split("/")
         ]
     return files
 
@@ -91,7 +101,7 @@ def _sources(*roots: Path, suffixes: tuple[str, ...]) -> list[Path]:
 def _offending_lines(files: list[Path]) -> list[str]:
     found = []
     for path in files:
-        rel = path.relative_to(ROOT).as_posix()
+        rel = _rel(path)
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             text = line.strip()
             if (rel, text) in ALLOWED:
