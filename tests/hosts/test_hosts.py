@@ -124,7 +124,8 @@ def check_runs(
             if any(j[2] > 1 for j in run["jobs"])
         }
         assert not again, (
-            f"jobs delivered more than once (a connection loss cost a delivery): {again}"
+            f"jobs delivered more than once (a connection loss cost a delivery): {again}\n"
+            f"{context}"
         )
         # ... and no stage body ran twice under one delivery attempt either.
         assert_executed_once(sc.crash_dir, runs, context)
