@@ -125,6 +125,16 @@ class Scenario:
             parts.append(f"--- {path.name} ---\n{text[-1500:]}")
         return "\n".join(parts)
 
+    def log_lines(self, *needles: str) -> str:
+        """Every line of every host log of this test that contains one of ``needles`` (for
+        assertion messages about a rare event that the logs' tails may not show)."""
+        lines = []
+        for path in sorted(self.logs.glob("*.log")):
+            for line in path.read_text(errors="replace").splitlines():
+                if any(n in line for n in needles):
+                    lines.append(f"{path.name}: {line}")
+        return "\n".join(lines[-200:])
+
     def report(self, **facts: Any) -> None:
         """Print the scenario's numbers and append them to ``$HOSTS_REPORT`` (JSON lines) when
         that is set - the scenario table of the issue's closing note."""

@@ -125,7 +125,17 @@ def check_runs(
         }
         assert not again, (
             f"jobs delivered more than once (a connection loss cost a delivery): {again}\n"
-            f"{context}"
+            + sc.log_lines(
+                "taken over",
+                "acknowledgement",
+                "discarded",
+                "released",
+                "stale",
+                "gave up",
+                "giving up",
+                "reincarnated worker",
+                "Traceback",
+            )
         )
         # ... and no stage body ran twice under one delivery attempt either.
         assert_executed_once(sc.crash_dir, runs, context)
