@@ -94,9 +94,7 @@ def test_stage_level_when() -> None:
             "duplicate stage ids a",
         ),
         (
-            lambda b: b.branch(
-                over_ten, {"x": [_s("b")], "y": [_s("c", dependencies=["b"])]}
-            ),
+            lambda b: b.branch(over_ten, {"x": [_s("b")], "y": [_s("c", dependencies=["b"])]}),
             "'c' has missing dependencies",
         ),
     ],
