@@ -367,8 +367,12 @@ class Workflow:
         """JSON Schema of the run's output: the last execution group's output (WF-34). For a
         single stage, its output model's schema (``{}``, any JSON value, when it declares
         none); for a parallel group, an object keyed by stage id whose members are the
-        stages' output schemas (every member required: a COMPLETED run has them all)."""
+        stages' output schemas (every member required: a COMPLETED run has them all). When a
+        stage of the last group may be SKIPPED (``when=``, a branch), the output may come from
+        an earlier group or be ``None`` (``docs/conditions.md``): ``{}``, any JSON value."""
         last = self._groups[-1] if self._groups else ()
+        if any(node.conditional for node in last):
+            return {}
         if len(last) == 1:
             model = last[0].stage.output_model
             return model.model_json_schema() if model is not None else {}

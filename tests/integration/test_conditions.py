@@ -298,3 +298,51 @@ def test_approval_only_over_1000_is_one_argument(run_workflow, workflows_kernel)
     approve(run_id, by="alice", kernel=kernel)
     run = run_to_completion(kernel, run_id, advance_seconds=None)
     assert run.output == {"approved": True}
+
+
+def test_condition_reads_run_config(run_workflow) -> None:
+    class Flags(BaseModel):
+        enabled: bool = False
+
+    @stage(id="flagged", config=Flags)
+    def flagged(ctx: StageContext[Charge, Flags]) -> Charge:
+        return ctx.input
+
+    wf = (
+        define_workflow(id="by-config", input=Order)
+        .pipe(charge)
+        .pipe(flagged, when=lambda c: c.config["flagged"]["enabled"])
+        .build()
+    )
+    assert list(run_workflow(wf, {"total": 1}).skipped) == ["flagged"]
+    assert run_workflow(wf, {"total": 1}, {"flagged": {"enabled": True}}).skipped == {}
+
+
+def test_when_inside_chosen_branch_then_after_block(run_workflow) -> None:
+    never = Condition(lambda c: False, reason="never")
+    wf = (
+        define_workflow(id="nested-skip", input=Order)
+        .pipe(charge)
+        .branch(_route, {"small": [small_a], "large": [large]}, id="size")
+        .pipe(bump, when=never)
+        .build()
+    )
+    result = run_workflow(wf, {"total": 2, "kind": "small"})
+    # bump skipped, large skipped: the run output is the chosen branch's last output
+    assert result.output == {"total": 4}
+    assert list(result.skipped) == ["large", "bump"]
+
+
+def test_rerun_from_before_the_condition_decides_again(run_workflow) -> None:
+    wf = _flow().build()
+    first = run_workflow(wf, {"total": 5})
+    kernel = first.kernel
+    kernel.dispatch(RerunFrom(first.run_id, "charge"))
+    again = collect_result(kernel, run_to_completion(kernel, first.run_id))
+    assert again.skipped == {"bump": "condition not met: total over 1000"}
+    assert {r.stage_id: r.generation for r in again.stage_records} == {
+        "charge": 1,
+        "bump": 1,
+        "ship": 1,
+    }
+    assert again.event_types.count("stage:skipped") == 2  # one per generation

@@ -172,3 +172,10 @@ def test_parallel_input_right_after_branch_block_is_refused() -> None:
     after = define_stage(id="after", execute=lambda c: None, input=parallel_input(a, b))
     with pytest.raises(WorkflowDefinitionError, match="follows a branch block"):
         define_workflow(id="w").branch(over_ten, {"x": [[a, b]]}).pipe(after)
+
+
+def test_output_schema_is_any_when_last_group_may_be_skipped() -> None:
+    plain = define_workflow(id="w").pipe(_s("a")).build()
+    assert plain.output_schema["title"] == "Out"
+    cond = define_workflow(id="w").pipe(_s("a")).pipe(_s("b"), when=over_ten).build()
+    assert cond.output_schema == {}
