@@ -650,6 +650,7 @@ def define_async_batch_stage(
     retry: RetryPolicy | int | None = None,
     timeout_seconds: float | None = None,
     queue_timeout_seconds: float | None = None,
+    when: Any = None,
 ) -> Stage:
     """Define an async-batch stage (WF-5, WF-7).
 
@@ -665,6 +666,8 @@ def define_async_batch_stage(
     ``timeout_seconds`` / ``queue_timeout_seconds``: as for :func:`define_stage`; they bound
     each delivery of ``execute`` (the wait for the batch is bounded by ``Suspend``'s
     ``max_wait_seconds``, not by these).
+
+    ``when``: as for :func:`define_stage` (``docs/conditions.md``).
 
     Raises:
         WorkflowDefinitionError: as :func:`define_stage`, and an explicit model that disagrees
@@ -694,6 +697,7 @@ def define_async_batch_stage(
         retry=retry,  # type: ignore[arg-type]  # normalised by Stage
         timeout_seconds=timeout_seconds,
         queue_timeout_seconds=queue_timeout_seconds,
+        when=when,
     )
 
 

@@ -179,3 +179,16 @@ def test_output_schema_is_any_when_last_group_may_be_skipped() -> None:
     assert plain.output_schema["title"] == "Out"
     cond = define_workflow(id="w").pipe(_s("a")).pipe(_s("b"), when=over_ten).build()
     assert cond.output_schema == {}
+
+
+def test_async_batch_stage_takes_when() -> None:
+    from django_workflows import define_async_batch_stage
+
+    batch = define_async_batch_stage(
+        id="batch",
+        execute=lambda ctx: None,
+        check_completion=lambda state, ctx: None,
+        when=over_ten,
+    )
+    wf = define_workflow(id="w").pipe(batch).build()
+    assert wf.node("batch").when.name == "over_ten"
