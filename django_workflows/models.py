@@ -18,7 +18,9 @@ from django.db import models
 class Status(models.TextChoices):
     """The one status enum shared by runs, stages and jobs (DM-1).
 
-    The engine never writes ``SKIPPED`` and never writes ``SUSPENDED`` on a run (SM-8).
+    ``SKIPPED`` is a stage status only: a conditional stage whose ``when=`` was false or
+    whose branch was not chosen (issue 18, ``docs/conditions.md``); it counts as done. The
+    engine never writes ``SKIPPED`` or ``SUSPENDED`` on a run (SM-8).
     """
 
     PENDING = "PENDING"
@@ -154,6 +156,9 @@ class WorkflowStage(models.Model):
     error_message = models.TextField(null=True, blank=True)
     progress = models.FloatField(null=True, blank=True)
     progress_message = models.TextField(blank=True, default="")
+    #: Why a SKIPPED stage did not run (issue 18: its ``when=`` was false, or another branch
+    #: was chosen); ``""`` for every other status.
+    skip_reason = models.TextField(blank=True, default="")
 
     class Meta:
         db_table = "workflow_stages"

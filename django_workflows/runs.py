@@ -57,9 +57,12 @@ def rerun_from(run_id: Any, stage_id: str, *, idempotency_key: str | None = None
     stages stored), sets the run RUNNING and queues the group again with the next rerun
     ``generation``. Returns the deleted stage ids.
 
+    In a workflow with conditions (``docs/conditions.md``) the conditions are decided again
+    from that group on; a stage of a branch block reruns the block from its first group.
+
     Raises:
         RunNotFoundError, StageNotFoundError, WorkflowNotFoundError, RunStateError (run not
-        COMPLETED/FAILED, or an earlier group not COMPLETED): nothing was changed.
+        COMPLETED/FAILED, or an earlier group not COMPLETED or SKIPPED): nothing was changed.
     """
     result = get_kernel().dispatch(RerunFrom(run_id, stage_id, idempotency_key=idempotency_key))
     return list(result.deleted_stages)

@@ -347,9 +347,10 @@ def run_progress(
     *,
     structures: Callable[[str, str], Any] | None = None,
 ) -> tuple[int, int]:
-    """``(completed stages, stages)`` of ``run``: COMPLETED stage records over the stages of
-    the run's own definition (:func:`run_stage_total`). ``records``: the run's stage records
-    when the caller has them (else one query). For the admin (list and run page) and the API.
+    """``(completed stages, stages)`` of ``run``: COMPLETED or SKIPPED stage records over the
+    stages of the run's own definition (:func:`run_stage_total`). ``records``: the run's stage
+    records when the caller has them (else one query). For the admin (list and run page) and
+    the API.
     """
     from .models import Status, WorkflowStage
 
@@ -357,7 +358,8 @@ def run_progress(
         statuses = list(WorkflowStage.objects.filter(run=run).values_list("status", flat=True))
     else:
         statuses = [r.status for r in records]
-    completed = sum(1 for s in statuses if s == Status.COMPLETED)
+    done = (Status.COMPLETED, Status.SKIPPED)  # a SKIPPED stage (issue 18) is done
+    completed = sum(1 for s in statuses if s in done)
     return completed, run_stage_total(run, len(statuses), structures=structures)
 
 

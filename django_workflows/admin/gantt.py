@@ -30,13 +30,15 @@ _TYPES = (
     "stage:completed",
     "stage:failed",
     "stage:suspended",
+    "stage:skipped",
 )
 
 
 @dataclass
 class Segment:
     """A part of a bar: ``kind`` is ``running``, ``suspended``, ``completed`` (a finished running
-    part), or ``failed``; ``left``/``width`` are percentages of the chart's time axis."""
+    part), ``failed``, or ``skipped`` (a SKIPPED stage's marker, no duration);
+    ``left``/``width`` are percentages of the chart's time axis."""
 
     kind: str
     start: datetime
@@ -143,6 +145,11 @@ def build_gantt(run: WorkflowRun, now: datetime | None = None) -> Gantt:
         if not stage_id:
             continue
         row = open_rows.get(stage_id)
+        if kind == "stage:skipped":  # issue 18: a marker, no time spent
+            row = Row(stage_id, groups.get(stage_id, 0), generation, 1, outcome="skipped")
+            row.segments.append(Segment("skipped", at, at))
+            rows.append(row)
+            continue
         if kind == "stage:started":
             if row is not None:  # a redelivery: the previous delivery ended unseen
                 _close(row, at, "retried")

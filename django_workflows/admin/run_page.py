@@ -176,12 +176,21 @@ class StageRow:
     record: WorkflowStage | None
     #: The registered stage's effective timeouts, e.g. "timeout 600 s" ('' for none).
     limits: str = ""
+    #: When the stage runs, from the stored structure (issue 18): ``"when: total over
+    #: 1000"``, ``"branch 'small' of size"``; ``""`` for a stage that always runs.
+    condition: str = ""
 
     @property
     def status(self) -> SafeString | str:
         if self.record is None:
             return format_html('<span class="dw-muted dw-not-started">{}</span>', "not started")
         badge = status_badge(self.record.status)
+        if self.record.status == Status.SKIPPED and self.record.skip_reason:
+            return format_html(
+                '{}<br><span class="dw-muted dw-skip-reason">{}</span>',
+                badge,
+                self.record.skip_reason,
+            )
         if self.record.status == Status.SUSPENDED and self.record.next_poll_at is not None:
             return format_html(
                 '{}<br><span class="dw-muted">next poll {}</span>',
@@ -254,17 +263,42 @@ def stage_rows(run: WorkflowRun, stages: list[WorkflowStage]) -> list[StageRow]:
         for row in rows:
             defined = workflow.get_stage(row.stage_id)
             row.limits = timeouts.text(defined) if defined is not None else ""
+    row_of = {r.stage_id: r for r in rows}
     for group_number, group in enumerate(run_structure(run) or [], start=1):
         for entry in group if isinstance(group, list) else []:
             sid = str(entry.get("id", ""))
+            if sid in row_of:
+                row_of[sid].condition = condition_text(entry)
             if sid and sid not in by_id:
                 defined = workflow.get_stage(sid) if workflow is not None else None
                 limits = timeouts.text(defined) if defined is not None else ""
                 rows.append(
-                    StageRow(sid, str(entry.get("name") or sid), group_number, None, limits)
+                    StageRow(
+                        sid,
+                        str(entry.get("name") or sid),
+                        group_number,
+                        None,
+                        limits,
+                        condition_text(entry),
+                    )
                 )
     rows.sort(key=lambda r: r.execution_group)
     return rows
+
+
+def condition_text(entry: Any) -> str:
+    """When a stage of the stored structure runs (issue 18): ``"when: <reason>"`` and/or
+    ``"branch '<name>' of <block>"``; ``""`` for a stage that always runs."""
+    if not isinstance(entry, dict):
+        return ""
+    parts = []
+    branch = entry.get("branch")
+    if isinstance(branch, dict):
+        parts.append(f"branch {branch.get('name')!r} of {branch.get('id')}")
+    when = entry.get("when")
+    if isinstance(when, dict):
+        parts.append(f"when: {when.get('reason') or when.get('predicate')}")
+    return "; ".join(parts)
 
 
 @dataclass

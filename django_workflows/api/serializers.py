@@ -297,6 +297,24 @@ class ErrorSerializer(serializers.Serializer):
     errors = serializers.DictField(child=serializers.ListField(child=serializers.CharField()))
 
 
+class ConditionSerializer(serializers.Serializer):
+    """A stage's ``when=`` condition (issue 18)."""
+
+    predicate = serializers.CharField(help_text="the predicate's qualified name")
+    reason = serializers.CharField(help_text="what it means; a skipped stage records it")
+
+
+class BranchSpotSerializer(serializers.Serializer):
+    """Where a stage sits in a branch block (issue 18)."""
+
+    id = serializers.CharField(help_text="the branch block's id")
+    chooser = serializers.CharField(help_text="the choose function's qualified name")
+    branches = serializers.ListField(
+        child=serializers.CharField(), help_text="every declared branch"
+    )
+    name = serializers.CharField(help_text="the branch this stage is on")
+
+
 class StageSchemaSerializer(serializers.Serializer):
     stage_id = serializers.CharField()
     name = serializers.CharField()
@@ -315,6 +333,13 @@ class StageSchemaSerializer(serializers.Serializer):
         allow_null=True,
         help_text="Longest a ready job may wait for a worker of its queue (seconds); null: "
         "no limit",
+    )
+    when = ConditionSerializer(
+        allow_null=True,
+        help_text="the stage's when= condition; null: it always runs (SKIPPED when false)",
+    )
+    branch = BranchSpotSerializer(
+        allow_null=True, help_text="the branch block the stage is on; null: none"
     )
 
 
@@ -367,6 +392,11 @@ class StageSerializer(serializers.Serializer):
     progress = serializers.FloatField(allow_null=True, help_text="0-100")
     progress_message = serializers.CharField(allow_blank=True)
     next_poll_at = serializers.DateTimeField(allow_null=True)
+    skip_reason = serializers.CharField(
+        allow_blank=True,
+        help_text="why a SKIPPED stage did not run (its when= condition was false, or another "
+        "branch was chosen); empty for every other status",
+    )
 
 
 class WaitingSerializer(serializers.Serializer):

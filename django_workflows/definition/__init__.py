@@ -3,6 +3,7 @@
 Nothing in this package imports Django models or the kernel.
 """
 
+from .conditions import Condition, ConditionContext
 from .context import CompletionContext, MissingStageOutputError, StageContext
 from .registry import WorkflowRegistry, register, registry
 from .results import UNSET, CompletionCheck, StageFailed, StageResult, Suspend
@@ -31,6 +32,8 @@ __all__ = [
     "UNSET",
     "CompletionCheck",
     "CompletionContext",
+    "Condition",
+    "ConditionContext",
     "MissingStageOutputError",
     "NoConfig",
     "NoInput",

@@ -131,6 +131,8 @@ class StageContext(_BaseContext, Generic[InputT, ConfigT]):
         workflow_context: ``{stage_id: output}`` of the COMPLETED stages of *earlier* execution
             groups only (Part I item 7), each as its output model when it has one.
         resume_state: the previous suspension state when a suspended stage is re-executed.
+        skipped_stages: ids of the earlier stages that were SKIPPED (``when=`` false or
+            branch not chosen; ``docs/conditions.md``): absent from ``workflow_context``.
     """
 
     stage_name: str = ""
@@ -140,9 +142,15 @@ class StageContext(_BaseContext, Generic[InputT, ConfigT]):
     workflow_context: dict[str, Any] = field(default_factory=dict)
     resume_state: dict[str, Any] | None = None
     progress_events: list[dict[str, Any]] = field(default_factory=list)
+    skipped_stages: frozenset[str] = frozenset()
 
     def require(self, stage_id: str) -> Any:
-        """The output of an earlier stage. Raises :class:`MissingStageOutputError` (WF-15)."""
+        """The output of an earlier stage. Raises :class:`MissingStageOutputError` (WF-15),
+        saying so when the stage was SKIPPED."""
+        if stage_id in self.skipped_stages:
+            raise MissingStageOutputError(
+                f"Missing required stage output {stage_id!r}: the stage was SKIPPED"
+            )
         if stage_id not in self.workflow_context:
             available = ", ".join(sorted(self.workflow_context)) or "(none)"
             raise MissingStageOutputError(
@@ -151,7 +159,7 @@ class StageContext(_BaseContext, Generic[InputT, ConfigT]):
         return self.workflow_context[stage_id]
 
     def optional(self, stage_id: str, default: Any = None) -> Any:
-        """The output of an earlier stage, or ``default`` when absent (WF-15)."""
+        """The output of an earlier stage, or ``default`` when absent or SKIPPED (WF-15)."""
         return self.workflow_context.get(stage_id, default)
 
     def progress(self, progress: float, message: str = "", **details: Any) -> None:

@@ -214,6 +214,9 @@ class Stage:
             :mod:`..kernel.timeouts`).
         queue_timeout_seconds: the longest a ready job of the stage may wait for a worker of
             its ``queue`` (seconds, > 0), or ``None``: ``DEFAULT_QUEUE_TIMEOUT_SECONDS``.
+        when: ``None``, or a predicate ``fn(ctx) -> bool`` / a
+            :class:`~.conditions.Condition` deciding whether the stage runs wherever it is
+            placed (see ``docs/conditions.md``); a ``when=`` given to the builder wins.
     """
 
     id: str
@@ -231,6 +234,7 @@ class Stage:
     retry: RetryPolicy | None = None
     timeout_seconds: float | None = None
     queue_timeout_seconds: float | None = None
+    when: Any = None
     _defaults: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -270,6 +274,11 @@ class Stage:
             problem = seconds_error(getattr(self, attr))
             if problem:
                 raise WorkflowDefinitionError(f"Stage {self.id!r}: {attr} {problem}")
+        if self.when is not None and not callable(getattr(self.when, "fn", self.when)):
+            raise WorkflowDefinitionError(
+                f"Stage {self.id!r}: when must be a callable predicate or a Condition, got "
+                f"{self.when!r}"
+            )
         self.dependencies = tuple(self.dependencies)
         self._defaults = model_defaults(self.config_model)
 
@@ -582,6 +591,7 @@ def define_stage(
     retry: RetryPolicy | int | None = None,
     timeout_seconds: float | None = None,
     queue_timeout_seconds: float | None = None,
+    when: Any = None,
 ) -> Stage:
     """Define a synchronous stage (WF-5). The models are taken only from the arguments (use
     :func:`stage` to take them from the annotations).
@@ -600,9 +610,12 @@ def define_stage(
         queue_timeout_seconds: the longest a ready job may wait for a worker of ``queue``
             (seconds, > 0); past it the stage and run fail naming the queue. ``None``:
             ``DEFAULT_QUEUE_TIMEOUT_SECONDS``.
+        when: a predicate ``fn(ctx) -> bool`` or a ``Condition``: the stage runs only when it
+            is true, else it is SKIPPED (``docs/conditions.md``).
 
     Raises:
-        WorkflowDefinitionError: a malformed id, model, queue name, retry policy or timeout.
+        WorkflowDefinitionError: a malformed id, model, queue name, retry policy, timeout or
+            ``when``.
     """
     return Stage(
         id=id,
@@ -618,6 +631,7 @@ def define_stage(
         retry=retry,  # type: ignore[arg-type]  # normalised by Stage
         timeout_seconds=timeout_seconds,
         queue_timeout_seconds=queue_timeout_seconds,
+        when=when,
     )
 
 
@@ -636,6 +650,7 @@ def define_async_batch_stage(
     retry: RetryPolicy | int | None = None,
     timeout_seconds: float | None = None,
     queue_timeout_seconds: float | None = None,
+    when: Any = None,
 ) -> Stage:
     """Define an async-batch stage (WF-5, WF-7).
 
@@ -651,6 +666,8 @@ def define_async_batch_stage(
     ``timeout_seconds`` / ``queue_timeout_seconds``: as for :func:`define_stage`; they bound
     each delivery of ``execute`` (the wait for the batch is bounded by ``Suspend``'s
     ``max_wait_seconds``, not by these).
+
+    ``when``: as for :func:`define_stage` (``docs/conditions.md``).
 
     Raises:
         WorkflowDefinitionError: as :func:`define_stage`, and an explicit model that disagrees
@@ -680,6 +697,7 @@ def define_async_batch_stage(
         retry=retry,  # type: ignore[arg-type]  # normalised by Stage
         timeout_seconds=timeout_seconds,
         queue_timeout_seconds=queue_timeout_seconds,
+        when=when,
     )
 
 
@@ -696,6 +714,7 @@ def stage(
     retry: RetryPolicy | int | None = None,
     timeout_seconds: float | None = None,
     queue_timeout_seconds: float | None = None,
+    when: Any = None,
 ) -> Callable[[Callable[..., Any]], Stage]:
     """Decorator form of :func:`define_stage`; the decorated function becomes ``execute``.
 
@@ -713,6 +732,9 @@ def stage(
 
     ``timeout_seconds`` / ``queue_timeout_seconds``: see :func:`define_stage`, e.g.
     ``@stage(id="embed", queue="gpu", timeout_seconds=600, queue_timeout_seconds=60)``.
+
+    ``when``: a predicate ``fn(ctx) -> bool`` or a ``Condition``; the stage runs only when it
+    is true, else it is SKIPPED with a reason (``docs/conditions.md``).
 
     Raises:
         WorkflowDefinitionError: (when decorating) a malformed id, queue, retry policy or
@@ -744,6 +766,7 @@ def stage(
             retry=retry,
             timeout_seconds=timeout_seconds,
             queue_timeout_seconds=queue_timeout_seconds,
+            when=when,
         )
 
     return wrap

@@ -20,12 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from .conditions import BranchSpot, Condition
 from .stage import NoInput, Stage, WorkflowDefinitionError, format_validation_error, validate_id
 
 #: Explicit definition versions (``define_workflow(version=...)``): 1-64 printable characters
@@ -147,7 +148,7 @@ def _field_name(stage_id: str) -> str:
     return f"stage_{name}" if name[0].isdigit() else name
 
 
-def parallel_input(*stages: Stage) -> type[ParallelInput]:
+def parallel_input(*stages: Stage, optional: Iterable[str] = ()) -> type[ParallelInput]:
     """The input model of the stage after ``.parallel([a, b])``: the group's combined output
     ``{stage_id: output}`` (WF-40) as a pydantic model, one field per stage - named after its
     id with ``-`` as ``_`` (``parse-metadata`` -> ``parse_metadata``), aliased to the id, typed
@@ -164,9 +165,14 @@ def parallel_input(*stages: Stage) -> type[ParallelInput]:
     The same stages give the same model class (so it can be named twice). The builder checks
     that a stage with such an input follows exactly that parallel group.
 
+    A stage that may be SKIPPED (``when=``, ``docs/conditions.md``) is ``None`` in the model:
+    its field is ``Optional`` (default ``None``) when the stage has its own ``when`` or its id
+    is in ``optional`` (for a ``when=`` given to ``.parallel()`` or ``.pipe()``); the builder
+    checks that every conditional stage of the group has such a field.
+
     Raises:
-        WorkflowDefinitionError: no stage, something that is not a :class:`Stage`, or a
-            repeated stage id.
+        WorkflowDefinitionError: no stage, something that is not a :class:`Stage`, a
+            repeated stage id, or an ``optional`` id that is not one of ``stages``.
     """
     if not stages:
         raise WorkflowDefinitionError("parallel_input() needs at least one stage")
@@ -177,11 +183,24 @@ def parallel_input(*stages: Stage) -> type[ParallelInput]:
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
         raise WorkflowDefinitionError(f"parallel_input(): duplicate stage ids {', '.join(dupes)}")
-    key = tuple(stages)
-    model = _parallel_models.get(key)
+    if isinstance(optional, str):
+        optional = (optional,)
+    maybe = frozenset(optional)
+    unknown = sorted(maybe - set(ids))
+    if unknown:
+        raise WorkflowDefinitionError(
+            f"parallel_input(): optional names {', '.join(unknown)}, not one of the stages "
+            f"{', '.join(ids)}"
+        )
+    maybe |= {item.id for item in stages if item.when is not None}
+    key = (*stages, *sorted(maybe)) if maybe else tuple(stages)
+    model = _parallel_models.get(key)  # type: ignore[arg-type]
     if model is None:
         fields: dict[str, Any] = {
-            _field_name(item.id): (item.output_model or Any, Field(alias=item.id))
+            _field_name(item.id): (
+                (item.output_model or Any) | None if item.id in maybe else item.output_model or Any,
+                Field(None, alias=item.id) if item.id in maybe else Field(alias=item.id),
+            )
             for item in stages
         }
         name = "".join(part.capitalize() for i in ids for part in i.replace("_", "-").split("-"))
@@ -189,7 +208,7 @@ def parallel_input(*stages: Stage) -> type[ParallelInput]:
             f"{name}Input", __base__=ParallelInput, **fields
         )
         model.stage_ids = tuple(ids)
-        _parallel_models[key] = model
+        _parallel_models[key] = model  # type: ignore[index]
     return model
 
 
@@ -200,6 +219,15 @@ class StageNode:
     stage: Stage
     execution_group: int
     stage_number: int
+    #: The stage's condition (``when=``): ``None`` for a stage that always runs.
+    when: Condition | None = None
+    #: Where the stage sits in a branch block (``.branch()``), ``None`` outside one.
+    branch: BranchSpot | None = None
+
+    @property
+    def conditional(self) -> bool:
+        """Whether the stage may be SKIPPED (it has a condition or is in a branch)."""
+        return self.when is not None or self.branch is not None
 
 
 class Workflow:
@@ -215,6 +243,7 @@ class Workflow:
         groups: Sequence[Sequence[Stage]],
         version: str | None = None,
         takes_over: Iterable[str] = (),
+        placements: dict[str, tuple[Condition | None, BranchSpot | None]] | None = None,
     ) -> None:
         self.id = id
         self.name = name
@@ -227,9 +256,14 @@ class Workflow:
             placed = []
             for stage in group:
                 number += 1
-                placed.append(StageNode(stage, group_index, number))
+                when, spot = (placements or {}).get(stage.id, (None, None))
+                when = when or Condition.of(stage.when)
+                placed.append(StageNode(stage, group_index, number, when, spot))
             nodes.append(tuple(placed))
         self._groups = tuple(nodes)
+        #: Whether any stage may be SKIPPED (``when=`` or a branch): the transition rules
+        #: take the conditional path (:mod:`..kernel.stage_path.conditions`) only then.
+        self.has_conditions = any(n.conditional for g in self._groups for n in g)
         self._by_id = {node.stage.id: node for group in self._groups for node in group}
         #: Whether :attr:`version` was given (``define_workflow(version=...)``) rather than
         #: computed (:meth:`fingerprint`).
@@ -333,8 +367,12 @@ class Workflow:
         """JSON Schema of the run's output: the last execution group's output (WF-34). For a
         single stage, its output model's schema (``{}``, any JSON value, when it declares
         none); for a parallel group, an object keyed by stage id whose members are the
-        stages' output schemas (every member required: a COMPLETED run has them all)."""
+        stages' output schemas (every member required: a COMPLETED run has them all). When a
+        stage of the last group may be SKIPPED (``when=``, a branch), the output may come from
+        an earlier group or be ``None`` (``docs/conditions.md``): ``{}``, any JSON value."""
         last = self._groups[-1] if self._groups else ()
+        if any(node.conditional for node in last):
+            return {}
         if len(last) == 1:
             model = last[0].stage.output_model
             return model.model_json_schema() if model is not None else {}
@@ -410,6 +448,7 @@ class Workflow:
                         "input": _schema(node.stage.input_model),
                         "output": _schema(node.stage.output_model),
                         "config": _schema(node.stage.config_model),
+                        **_placement(node, fingerprint=True),
                     }
                     for node in group
                 ]
@@ -431,7 +470,8 @@ class Workflow:
     def structure(self) -> dict[str, Any]:
         """The definition as stored once per version (``WorkflowDefinitionVersion.structure``)
         for the admin's view of a run: ``{"name", "groups": [[{"id", "name", "kind",
-        "queue"}, ...], ...]}``.
+        "queue"}, ...], ...]}``; a conditional stage adds ``"when": {"predicate", "reason"}``
+        and a stage of a branch block ``"branch": {"id", "chooser", "branches", "name"}``.
         """
         return {
             "name": self.name,
@@ -442,6 +482,7 @@ class Workflow:
                         "name": node.stage.name,
                         "kind": node.stage.mode,
                         "queue": node.stage.queue,
+                        **_placement(node),
                     }
                     for node in group
                 ]
@@ -492,6 +533,21 @@ class Workflow:
             ids = [node.stage.id for node in group]
             out.append(ids[0] if len(ids) == 1 else "[" + " | ".join(ids) + "]")
         return out
+
+
+def _placement(node: StageNode, *, fingerprint: bool = False) -> dict[str, Any]:
+    """The ``when`` / ``branch`` keys of a stage in the structure and the fingerprint
+    material: present only when used, so an unconditional stage keeps its fingerprint. The
+    fingerprint has the predicate's and chooser's names, not the reason text."""
+    out: dict[str, Any] = {}
+    if node.when is not None:
+        out["when"] = node.when.name if fingerprint else node.when.structure()
+    if node.branch is not None:
+        spot = node.branch.structure()
+        if fingerprint:
+            spot.pop("chooser")
+        out["branch"] = spot
+    return out
 
 
 def _keyed_schema(title: str, stages: Sequence[Stage]) -> dict[str, Any]:
@@ -577,12 +633,25 @@ class WorkflowBuilder:
             )
         self._groups: list[list[Stage]] = []
         self._ids: list[str] = []
+        #: ``{stage_id: (condition, branch spot)}`` of the stages placed with either.
+        self._placements: dict[str, tuple[Condition | None, BranchSpot | None]] = {}
+        #: Index in ``_groups`` of the group after the last branch block (no ParallelInput).
+        self._after_branch: int | None = None
+        self._branch_ids: list[str] = []
 
-    def _check(self, stages: list[Stage], parallel: bool) -> None:
+    def _check(
+        self,
+        stages: list[Stage],
+        parallel: bool,
+        *,
+        known: list[str] | None = None,
+        previous: list[Stage] | None = None,
+        where: str = "",
+    ) -> None:
         for stage in stages:
             if not isinstance(stage, Stage):
                 raise WorkflowDefinitionError(
-                    f"Workflow {self.id!r}: expected a Stage, got {stage!r}"
+                    f"Workflow {self.id!r}: expected a Stage{where}, got {stage!r}"
                 )
         new_ids = [s.id for s in stages]
         dupes = sorted({i for i in new_ids if new_ids.count(i) > 1 or i in self._ids})
@@ -590,35 +659,75 @@ class WorkflowBuilder:
             raise WorkflowDefinitionError(
                 f"Workflow {self.id!r}: duplicate stage ids {', '.join(dupes)}"
             )
-        known = set(self._ids)
-        previous = [s.id for s in self._groups[-1]] if self._groups else []
+        defined = self._ids if known is None else known
+        before = (self._groups[-1] if self._groups else []) if previous is None else previous
+        previous_ids = [s.id for s in before]
         for stage in stages:
             model = stage.input_model
             if isinstance(model, type) and issubclass(model, ParallelInput):
-                if list(model.stage_ids) != previous:
+                if previous is None and self._after_branch == len(self._groups):
+                    raise WorkflowDefinitionError(
+                        f"Stage {stage.id!r}: its input is parallel_input(...) but it follows a "
+                        "branch block, whose output is its chosen branch's last group"
+                    )
+                if list(model.stage_ids) != previous_ids:
                     raise WorkflowDefinitionError(
                         f"Stage {stage.id!r}: its input is parallel_input("
                         f"{', '.join(model.stage_ids)}) but the execution group before it is "
-                        f"{', '.join(previous) or '(none: it is the first)'}"
+                        f"{', '.join(previous_ids) or '(none: it is the first)'}"
                     )
-            missing = [d for d in stage.dependencies if d not in known]
+                self._check_optional(stage, model, before)
+            missing = [d for d in stage.dependencies if d not in defined]
             if missing:
-                where = " (in parallel group)" if parallel else ""
-                current = ", ".join(self._ids) or "(none)"
+                place = " (in parallel group)" if parallel else ""
+                current = ", ".join(defined) or "(none)"
                 raise WorkflowDefinitionError(
-                    f"Stage {stage.id!r} has missing dependencies{where}: {', '.join(missing)}. "
+                    f"Stage {stage.id!r} has missing dependencies{place}: {', '.join(missing)}. "
                     f"Stages defined before it: {current}"
                 )
 
-    def pipe(self, stage: Stage) -> WorkflowBuilder:
-        """Append ``stage`` as a new execution group of its own (WF-31)."""
+    def _check_optional(self, stage: Stage, model: type[ParallelInput], group: list[Stage]) -> None:
+        """A conditional stage of ``group`` is ``None`` in ``model``: its field must allow it."""
+        for sibling in group:
+            placed_when = self._placements.get(sibling.id, (None, None))[0]
+            if placed_when is None and sibling.when is None:
+                continue
+            info = model.model_fields[_field_name(sibling.id)]
+            if info.is_required():
+                raise WorkflowDefinitionError(
+                    f"Stage {stage.id!r}: its input parallel_input({', '.join(model.stage_ids)})"
+                    f" has a required field for {sibling.id!r}, which may be SKIPPED (when=); "
+                    f"use parallel_input(..., optional=[{sibling.id!r}])"
+                )
+
+    def _condition(self, when: Any, what: str) -> Condition | None:
+        try:
+            return Condition.of(when)
+        except WorkflowDefinitionError as exc:
+            raise WorkflowDefinitionError(f"Workflow {self.id!r}: {what}: {exc}") from None
+
+    def pipe(self, stage: Stage, *, when: Any = None) -> WorkflowBuilder:
+        """Append ``stage`` as a new execution group of its own (WF-31).
+
+        ``when``: a predicate ``fn(ctx) -> bool`` (``ctx`` a
+        :class:`~.conditions.ConditionContext`) or a :class:`~.conditions.Condition`; false:
+        the stage is SKIPPED with the condition's reason (``docs/conditions.md``). It wins
+        over the stage's own ``when``.
+        """
+        condition = self._condition(when, f"pipe({getattr(stage, 'id', stage)!r}) when")
         self._check([stage], parallel=False)
         self._groups.append([stage])
         self._ids.append(stage.id)
+        if condition is not None:
+            self._placements[stage.id] = (condition, None)
         return self
 
-    def parallel(self, stages: Iterable[Stage]) -> WorkflowBuilder:
+    def parallel(self, stages: Iterable[Stage], *, when: Any = None) -> WorkflowBuilder:
         """Append one execution group whose stages run in parallel (WF-31).
+
+        ``when``: one condition for the whole group (see :meth:`pipe`), evaluated once per
+        stage: the group runs or is SKIPPED as a whole. A stage's own ``when`` applies when
+        the group has none.
 
         Raises:
             WorkflowDefinitionError: an empty group (Part I item 5, EC-31b), a duplicate id, or
@@ -630,9 +739,99 @@ class WorkflowBuilder:
                 f"Workflow {self.id!r}: parallel() needs at least one stage (empty group "
                 f"after {', '.join(self._ids) or 'the start'})"
             )
+        condition = self._condition(when, "parallel() when")
         self._check(group, parallel=True)
         self._groups.append(group)
         self._ids.extend(s.id for s in group)
+        if condition is not None:
+            for item in group:
+                self._placements[item.id] = (condition, None)
+        return self
+
+    def branch(
+        self,
+        choose: Any,
+        branches: Mapping[str, Sequence[Stage | Sequence[Stage]]],
+        *,
+        id: str | None = None,
+    ) -> WorkflowBuilder:
+        """Append a branch block: ``choose(ctx)`` (a :class:`~.conditions.ConditionContext`)
+        returns the name of one of ``branches``; that branch's chain runs, every stage of the
+        others is SKIPPED (reason: which branch was chosen). The choice is made once, when the
+        block is reached, and recorded (``branch:chosen`` event).
+
+        ``branches``: ``{name: [stage, [parallel, stages], ...]}`` in declaration order; each
+        item of a chain is a stage (a group of its own) or a list of stages (a parallel
+        group). The block's groups follow one another in the definition; the stage after the
+        block receives the output of the chosen branch's last group (``docs/conditions.md``).
+
+        ``id``: the block's name in events and the structure (default ``"branch-<n>"``).
+
+        Raises:
+            WorkflowDefinitionError: ``choose`` not callable, no branch, a malformed branch
+                name or block id, an empty chain, a non-stage item, a stage id used twice
+                (also across branches), or a dependency on a stage of another branch.
+        """
+        label = f"Workflow {self.id!r}: branch()"
+        if not callable(choose):
+            raise WorkflowDefinitionError(f"{label}: choose must be callable, got {choose!r}")
+        block = f"branch-{len(self._branch_ids) + 1}" if id is None else id
+        try:
+            validate_id("branch", block)
+        except WorkflowDefinitionError as exc:
+            raise WorkflowDefinitionError(f"{label}: id: {exc}") from None
+        if block in self._branch_ids:
+            raise WorkflowDefinitionError(f"{label}: duplicate branch block id {block!r}")
+        if not isinstance(branches, Mapping) or not branches:
+            raise WorkflowDefinitionError(
+                f"{label}: branches must be a non-empty mapping of branch name to a list of "
+                f"stages, got {branches!r}"
+            )
+        names = tuple(branches)
+        chains: list[tuple[str, list[list[Stage]]]] = []
+        for name in names:
+            try:
+                validate_id("branch name", name)
+            except WorkflowDefinitionError as exc:
+                raise WorkflowDefinitionError(f"{label}: branches: {exc}") from None
+            chain = branches[name]
+            if isinstance(chain, Stage) or not isinstance(chain, Sequence) or not chain:
+                raise WorkflowDefinitionError(
+                    f"{label}: branches[{name!r}] must be a non-empty list of stages, got {chain!r}"
+                )
+            groups = [list(item) if isinstance(item, Sequence) else [item] for item in chain]
+            if any(not g for g in groups):
+                raise WorkflowDefinitionError(f"{label}: branches[{name!r}] has an empty group")
+            chains.append((name, groups))
+        all_ids = [s.id for _, groups in chains for g in groups for s in g if isinstance(s, Stage)]
+        dupes = sorted({i for i in all_ids if all_ids.count(i) > 1})
+        if dupes:
+            raise WorkflowDefinitionError(
+                f"{label}: stage ids used in more than one place: {', '.join(dupes)}"
+            )
+        before_ids = list(self._ids)
+        before_group = self._groups[-1] if self._groups else []
+        for name, groups in chains:  # check all first: nothing half-written
+            known, previous = list(before_ids), before_group
+            for group in groups:
+                self._check(
+                    group,
+                    parallel=len(group) > 1,
+                    known=known,
+                    previous=previous,
+                    where=f" in branches[{name!r}]",
+                )
+                known += [s.id for s in group]
+                previous = group
+        for name, groups in chains:
+            spot = BranchSpot(block, choose, names, name)
+            for group in groups:
+                self._groups.append(group)
+                for item in group:
+                    self._ids.append(item.id)
+                    self._placements[item.id] = (None, spot)
+        self._branch_ids.append(block)
+        self._after_branch = len(self._groups)
         return self
 
     def build(self) -> Workflow:
@@ -647,6 +846,7 @@ class WorkflowBuilder:
             groups=[list(g) for g in self._groups],
             version=self.version,
             takes_over=self.takes_over,
+            placements=self._placements,
         )
 
 

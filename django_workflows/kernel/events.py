@@ -20,6 +20,10 @@ STAGE_COMPLETED = "stage:completed"
 STAGE_SUSPENDED = "stage:suspended"
 STAGE_FAILED = "stage:failed"
 STAGE_PROGRESS = "stage:progress"
+#: A conditional stage did not run (issue 18): ``stage_id``, ``stage_name``, ``reason``.
+STAGE_SKIPPED = "stage:skipped"
+#: A branch block chose its branch (issue 18): ``branch_id``, ``branch``, ``branches``.
+BRANCH_CHOSEN = "branch:chosen"
 ANNOTATION_CREATED = "annotation:created"
 
 EVENT_TYPES = (
@@ -34,6 +38,8 @@ EVENT_TYPES = (
     STAGE_SUSPENDED,
     STAGE_FAILED,
     STAGE_PROGRESS,
+    STAGE_SKIPPED,
+    BRANCH_CHOSEN,
     ANNOTATION_CREATED,
 )
 

@@ -46,6 +46,8 @@ class ExecutionInput:
     workflow_context: dict[str, Any]
     services: StageServices
     now: datetime
+    #: Ids of the earlier stages that were SKIPPED (issue 18; ``ctx.require`` names them).
+    skipped: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -178,6 +180,7 @@ class LocalExecutor:
                 config=config,
                 workflow_context=execution.workflow_context,
                 resume_state=execution.resume_state,
+                skipped_stages=execution.skipped,
             )
             value = stage.execute(ctx)
             if isinstance(value, Suspend):

@@ -291,6 +291,8 @@ class WorkflowResult:
             "error_type", "generation"}``) for a FAILED run; ``None`` otherwise.
         stages: ``{stage_id: output}`` of every COMPLETED stage (JSON data).
         stage_records: the run's stage records in execution order.
+        skipped: ``{stage_id: reason}`` of every SKIPPED stage (issue 18: ``when=`` false or
+            branch not chosen), in execution order.
         annotations: the run's annotations, oldest first
             (:class:`~django_workflows.kernel.annotations.AnnotationRecord`).
         events: the run's outbox events in sequence order (dicts with ``type``,
@@ -310,6 +312,7 @@ class WorkflowResult:
     events: list[dict[str, Any]]
     logs: list[Any]
     kernel: Kernel = field(repr=False)
+    skipped: dict[str, str] = field(default_factory=dict)
 
     @property
     def run_id(self) -> str:
@@ -367,6 +370,7 @@ def collect_result(kernel: Kernel, run: WorkflowRun) -> WorkflowResult:
         ],
         logs=list(WorkflowLog.objects.filter(run_id=run.pk).select_related("stage").order_by("id")),
         kernel=kernel,
+        skipped={r.stage_id: r.skip_reason for r in records if r.status == Status.SKIPPED},
     )
 
 

@@ -46,6 +46,8 @@ def definition_document(workflow: Any) -> dict[str, Any]:
                         if node.stage.output_model is not None
                         else None,
                         **timeouts.describe(node.stage),
+                        "when": node.when.structure() if node.when is not None else None,
+                        "branch": node.branch.structure() if node.branch is not None else None,
                     }
                     for node in group
                 ],

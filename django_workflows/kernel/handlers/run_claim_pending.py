@@ -18,10 +18,14 @@ from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import events as ev
 from ..commands import ClaimedRun, ClaimPendingRuns, ClaimPendingRunsResult
 from ..locking import claim_next_pending_run
+from ..stage_path.conditions import open_groups
 from ..store import create_missing_stages, run_error, update_run, write_log
 from .base import HandlerOutput, enqueue_stage_jobs
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
+    from ...definition.workflow import Workflow
     from ..dispatch import Kernel
 
 
@@ -90,7 +94,8 @@ def start_claimed_run(
     :func:`.base.enqueue_stage_jobs`): then ``jobs[0]`` is RUNNING, leased to it.
 
     Returns what was started, or ``None`` when the run was failed instead (workflow missing,
-    or preparing its first group raised: Part I item 2).
+    or preparing its first group raised: Part I item 2), or - a workflow with conditions -
+    completed or failed at once (every stage skipped, a condition raised; issue 18).
     """
     now = kernel.clock.now()
     update_run(run.pk, now, status=Status.RUNNING, started_at=now)
@@ -106,6 +111,10 @@ def start_claimed_run(
             events,
         )
         return None
+    if workflow.has_conditions:
+        return _start_conditional(
+            kernel, workflow, run, worker_id, events, now, reserve_for, serves
+        )
     try:
         with transaction.atomic():  # savepoint: Part I item 2
             records = create_missing_stages(run, workflow.stages_in_group(1), generation=0, now=now)
@@ -122,3 +131,42 @@ def start_claimed_run(
         return None
     events.append(ev.event(ev.WORKFLOW_STARTED, run.pk, now))
     return StartedRun(ClaimedRun(str(run.pk), run.workflow_id, [j.pk for j in jobs]), jobs, records)
+
+
+def _start_conditional(
+    kernel: Kernel,
+    workflow: Workflow,
+    run: WorkflowRun,
+    worker_id: str,
+    events: list[dict[str, Any]],
+    now: datetime,
+    reserve_for: str | None,
+    serves: frozenset[str] | None,
+) -> StartedRun | None:
+    """:func:`start_claimed_run`'s first group for a workflow with conditions (issue 18): the
+    group's conditions are decided here (:func:`..stage_path.conditions.open_groups`)."""
+    try:
+        with transaction.atomic():  # savepoint: Part I item 2
+            opened = open_groups(
+                kernel,
+                workflow,
+                run,
+                [],
+                1,
+                generation=0,
+                now=now,
+                reserve_for=reserve_for,
+                serves=serves,
+            )
+    except Exception as exc:
+        _fail(kernel, run, "CLAIM_FAILED", f"{type(exc).__name__}: {exc}", worker_id, events)
+        return None
+    events.append(ev.event(ev.WORKFLOW_STARTED, run.pk, now))
+    events.extend(opened.events)
+    if opened.outcome != "advanced":
+        return None
+    return StartedRun(
+        ClaimedRun(str(run.pk), run.workflow_id, [j.pk for j in opened.jobs]),
+        opened.jobs,
+        opened.new_records,
+    )

@@ -22,11 +22,13 @@ from ..commands import RerunFrom, RerunFromResult
 from ..errors import RunNotFoundError, RunStateError, StageNotFoundError, WorkflowNotFoundError
 from ..jsonvalue import storable_text
 from ..locking import lock_run, parse_run_id
+from ..stage_path.conditions import open_groups
 from ..store import create_missing_stages, stages_of, update_run
 from ..versions import ensure_stored
 from .base import HandlerOutput, enqueue_stage_jobs
 
 if TYPE_CHECKING:
+    from ...definition.workflow import Workflow
     from ..dispatch import Kernel
 
 
@@ -45,12 +47,14 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
     if not workflow.has_stage(cmd.from_stage_id):
         raise StageNotFoundError(workflow.id, cmd.from_stage_id, workflow.stage_ids)
     target = workflow.node(cmd.from_stage_id).execution_group
+    if workflow.has_conditions:
+        target = rerun_group(workflow, cmd.from_stage_id)
     records = stages_of(run_id)
     by_id = {r.stage_id: r for r in records}
     for group in range(1, target):
         for node in workflow.stages_in_group(group):
             rec = by_id.get(node.stage.id)
-            if rec is None or rec.status != Status.COMPLETED:
+            if rec is None or rec.status not in (Status.COMPLETED, Status.SKIPPED):
                 state = rec.status if rec else "never executed"
                 raise RunStateError(
                     f"Cannot rerun from {cmd.from_stage_id!r}: previous stages have not been "
@@ -84,13 +88,29 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
     run.status = Status.RUNNING
     run.definition_version = workflow.version
     ensure_stored(workflow, now)
+    started = ev.event(ev.WORKFLOW_STARTED, run_id, now, rerun=_marker(cmd, generation))
+    if workflow.has_conditions:  # issue 18: the conditions are decided again
+        kept = [r for r in records if r.execution_group < target]
+        opened = open_groups(kernel, workflow, run, kept, target, generation=generation, now=now)
+        return HandlerOutput(
+            RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids), [started, *opened.events]
+        )
     new = create_missing_stages(
         run, workflow.stages_in_group(target), generation=generation, now=now
     )
     enqueue_stage_jobs(kernel.queue, run, new, workflow=workflow)
-    return HandlerOutput(
-        RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids),
-        [ev.event(ev.WORKFLOW_STARTED, run_id, now, rerun=_marker(cmd, generation))],
+    return HandlerOutput(RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids), [started])
+
+
+def rerun_group(workflow: Workflow, stage_id: str) -> int:
+    """The first group a rerun from ``stage_id`` re-opens: its own, or - for a stage of a
+    branch block - the block's first group, so the branch is chosen again (issue 18)."""
+    node = workflow.node(stage_id)
+    if node.branch is None:
+        return node.execution_group
+    block = node.branch.id
+    return min(
+        n.execution_group for n in workflow.nodes if n.branch is not None and n.branch.id == block
     )
 
 

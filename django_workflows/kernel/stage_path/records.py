@@ -19,6 +19,7 @@ from ..commands import ExecuteJobResult
 from ..executor import ExecutionInput, ExecutionOutcome
 from ..services import KernelStageServices
 from ..store import group_output, update_stage, write_annotations
+from .conditions import group_input
 
 if TYPE_CHECKING:
     from ..dispatch import Kernel
@@ -117,7 +118,10 @@ def run_stage(
     records. ``config``: the whole run-config map (``None``: the run's).
     """
     group = node.execution_group
-    if group == 1:
+    skipped: frozenset[str] = frozenset()
+    if workflow.has_conditions:  # issue 18: skipped stages are passed over (no query)
+        present, raw_input, skipped = group_input(workflow, node, run.input, raw_outputs)
+    elif group == 1:
         present, raw_input = True, run.input
     else:
         present, raw_input = group_output(workflow, group - 1, raw_outputs)
@@ -144,6 +148,7 @@ def run_stage(
             workflow_context=context,
             services=services,
             now=start,
+            skipped=skipped,
         )
     )
 

@@ -31,11 +31,49 @@ from ..store import (
     run_error,
     update_run,
 )
+from . import conditions
 
 if TYPE_CHECKING:
     from ..dispatch import Kernel
 
 NOOP = TransitionRunResult("noop")
+
+
+def _advance_conditional(
+    kernel: Kernel,
+    workflow: Workflow,
+    run: WorkflowRun,
+    records: list[WorkflowStage],
+    now: datetime,
+    outputs: dict[str, Any] | None,
+    reserve_for: str | None,
+    serves: frozenset[str] | None,
+) -> Advance:
+    """K-TR-3/6/7 for a workflow with conditions (:mod:`.conditions`): open the next group,
+    skipping what does not apply, or complete the run past the last one."""
+    group = max((r.execution_group for r in records), default=0) + 1
+    generation = max((r.generation for r in records), default=0)
+    opened = conditions.open_groups(
+        kernel,
+        workflow,
+        run,
+        records,
+        group,
+        generation=generation,
+        now=now,
+        outputs=outputs,
+        reserve_for=reserve_for,
+        serves=serves,
+    )
+    if not records:
+        opened.events.insert(0, ev.event(ev.WORKFLOW_STARTED, run.pk, now))
+    if opened.outcome == "advanced":
+        if not records:
+            update_run(run.pk, now)
+        result = TransitionRunResult("advanced", opened.group)
+    else:
+        result = TransitionRunResult(opened.outcome)
+    return Advance(result, opened.events, opened.new_records, opened.reserved_job)
 
 
 @dataclass
@@ -70,6 +108,11 @@ def advance(
     ``None`` any; see :func:`.base.enqueue_stage_jobs`).
     """
     run_id = run.pk
+    if workflow.has_conditions and not any(r.status in ACTIVE_STAGE_STATUSES for r in records):
+        if not records or not any(r.status == Status.FAILED for r in records):
+            return _advance_conditional(
+                kernel, workflow, run, records, now, outputs, reserve_for, serves
+            )
     if not records:
         new = create_missing_stages(run, workflow.stages_in_group(1), generation=0, now=now)
         update_run(run_id, now)

@@ -130,6 +130,7 @@ def run_document(
                 "duration_ms": s.duration_ms,
                 "next_poll_at": s.next_poll_at,
                 "error_message": s.error_message,
+                "skip_reason": s.skip_reason,
                 "job": _job_document(jobs.get(s.stage_id)),
             }
             for s in stages
@@ -215,6 +216,8 @@ class Command(BaseCommand):
             note = retry_note(s, jobs.get(s.stage_id))
             if not note and s.stage_id in unblocked:  # RUNNING 62% but nobody works on it
                 note = unblocked[s.stage_id].message
+            if s.status == Status.SKIPPED and s.skip_reason:  # issue 18: why it did not run
+                note = f"skipped: {s.skip_reason}"
             error = " ".join(
                 part for part in (s.error_message, f"({note})" if note else "") if part
             )
