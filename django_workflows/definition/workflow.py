@@ -20,12 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from .mapping import MapContext, MapResults, MapSpec, validate_map
 from .stage import NoInput, Stage, WorkflowDefinitionError, format_validation_error, validate_id
 
 #: Explicit definition versions (``define_workflow(version=...)``): 1-64 printable characters
@@ -200,6 +201,8 @@ class StageNode:
     stage: Stage
     execution_group: int
     stage_number: int
+    #: How the stage fans out (``.map()``; issue 18 item 3), ``None`` for a plain stage.
+    map: MapSpec | None = None
 
 
 class Workflow:
@@ -215,9 +218,13 @@ class Workflow:
         groups: Sequence[Sequence[Stage]],
         version: str | None = None,
         takes_over: Iterable[str] = (),
+        maps: Mapping[str, MapSpec] | None = None,
     ) -> None:
         self.id = id
         self.name = name
+        maps = dict(maps or {})
+        #: Whether any stage is a map stage (the kernel's fan-out code runs only then).
+        self.has_maps = bool(maps)
         self.description = description
         self.input_model = input_model
         self._groups: tuple[tuple[StageNode, ...], ...] = ()
@@ -227,7 +234,7 @@ class Workflow:
             placed = []
             for stage in group:
                 number += 1
-                placed.append(StageNode(stage, group_index, number))
+                placed.append(StageNode(stage, group_index, number, maps.get(stage.id)))
             nodes.append(tuple(placed))
         self._groups = tuple(nodes)
         self._by_id = {node.stage.id: node for group in self._groups for node in group}
@@ -410,6 +417,11 @@ class Workflow:
                         "input": _schema(node.stage.input_model),
                         "output": _schema(node.stage.output_model),
                         "config": _schema(node.stage.config_model),
+                        **(
+                            {"map": node.map.describe(fingerprint=True)}
+                            if node.map is not None
+                            else {}
+                        ),
                     }
                     for node in group
                 ]
@@ -442,6 +454,7 @@ class Workflow:
                         "name": node.stage.name,
                         "kind": node.stage.mode,
                         "queue": node.stage.queue,
+                        **({"map": node.map.describe()} if node.map is not None else {}),
                     }
                     for node in group
                 ]
@@ -577,8 +590,9 @@ class WorkflowBuilder:
             )
         self._groups: list[list[Stage]] = []
         self._ids: list[str] = []
+        self._maps: dict[str, MapSpec] = {}
 
-    def _check(self, stages: list[Stage], parallel: bool) -> None:
+    def _check(self, stages: list[Stage], parallel: bool, mapping: bool = False) -> None:
         for stage in stages:
             if not isinstance(stage, Stage):
                 raise WorkflowDefinitionError(
@@ -592,8 +606,22 @@ class WorkflowBuilder:
             )
         known = set(self._ids)
         previous = [s.id for s in self._groups[-1]] if self._groups else []
+        mapped = previous[0] if len(previous) == 1 and previous[0] in self._maps else None
         for stage in stages:
             model = stage.input_model
+            is_results = isinstance(model, type) and issubclass(model, MapResults)
+            fits = is_results and model.stage_ids == (mapped,)
+            if mapped is not None and not mapping and not fits:
+                raise WorkflowDefinitionError(
+                    f"Stage {stage.id!r} follows the map stage {mapped!r}: its input must be "
+                    f"map_results({mapped}) (the item outputs in item order)"
+                )
+            if is_results and mapped is None:
+                raise WorkflowDefinitionError(
+                    f"Stage {stage.id!r}: its input is map_results({model.stage_ids[0]}) but "
+                    f"the execution group before it is {', '.join(previous) or '(none)'}, "
+                    "not that map stage"
+                )
             if isinstance(model, type) and issubclass(model, ParallelInput):
                 if list(model.stage_ids) != previous:
                     raise WorkflowDefinitionError(
@@ -635,6 +663,35 @@ class WorkflowBuilder:
         self._ids.extend(s.id for s in group)
         return self
 
+    def map(
+        self,
+        stage: Stage,
+        *,
+        over: Callable[[MapContext], Any],
+        max_concurrency: int = 10,
+        on_item_failure: str = "fail",
+    ) -> WorkflowBuilder:
+        """Append ``stage`` as an execution group of its own that runs once per item of
+        ``over(ctx)`` (issue 18 item 3; see docs/fan-out.md).
+
+        ``over(ctx)`` (:class:`.mapping.MapContext`: ``.input``, ``.output(stage_id)``,
+        ``.config``) is called once when the group is created and must return a list (or
+        tuple) of JSON values, at most :data:`.mapping.MAX_ITEMS`; each item is validated by
+        the stage's input model when its job runs. ``max_concurrency``: items of one run
+        PENDING or RUNNING at once (1..10000). ``on_item_failure``: ``"fail"`` or
+        ``"continue"``. The next stage's input must be ``map_results(stage)``.
+
+        Raises:
+            WorkflowDefinitionError: a bad argument (naming it), a duplicate id, an
+                async-batch stage, or an input model that does not fit the previous group.
+        """
+        self._check([stage], parallel=False, mapping=True)
+        spec = validate_map(self.id, stage, over, max_concurrency, on_item_failure)
+        self._groups.append([stage])
+        self._ids.append(stage.id)
+        self._maps[stage.id] = spec
+        return self
+
     def build(self) -> Workflow:
         """Return the immutable workflow. Raises if it has no stage (Part I item 5)."""
         if not self._groups:
@@ -647,6 +704,7 @@ class WorkflowBuilder:
             groups=[list(g) for g in self._groups],
             version=self.version,
             takes_over=self.takes_over,
+            maps=self._maps,
         )
 
 

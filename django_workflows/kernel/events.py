@@ -21,6 +21,10 @@ STAGE_SUSPENDED = "stage:suspended"
 STAGE_FAILED = "stage:failed"
 STAGE_PROGRESS = "stage:progress"
 ANNOTATION_CREATED = "annotation:created"
+#: A map stage started its items (issue 18 item 3): ``stage_id``, ``items_total``.
+MAP_STARTED = "map:started"
+#: A map item failed for good: ``stage_id``, ``item_index``, ``error``.
+MAP_ITEM_FAILED = "map:item_failed"
 
 EVENT_TYPES = (
     WORKFLOW_CREATED,
@@ -35,6 +39,8 @@ EVENT_TYPES = (
     STAGE_FAILED,
     STAGE_PROGRESS,
     ANNOTATION_CREATED,
+    MAP_STARTED,
+    MAP_ITEM_FAILED,
 )
 
 

@@ -102,7 +102,7 @@ def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
         if pending:
             orphans = _orphans(run_id, pending)
             if orphans:
-                enqueue_stage_jobs(kernel.queue, run, orphans, workflow=workflow)
+                enqueue_stage_jobs(kernel.queue, run, orphans, workflow=workflow, kernel=kernel)
                 update_run(run_id, now)
                 recovered += 1
                 continue
