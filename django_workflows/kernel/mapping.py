@@ -50,7 +50,7 @@ MAP_OVER_FAILED = "MapOverFailed"
 MAP_ITEM_FAILED = "MapItemFailed"
 
 
-class MapOverError(Exception):
+class _MapOverError(Exception):
     """``over(ctx)`` raised or did not return a list of at most :data:`MAX_ITEMS` JSON values."""
 
 
@@ -75,7 +75,7 @@ def items_of(kernel: Kernel, workflow: Workflow, run: WorkflowRun, node: StageNo
     """Call the map's ``over(ctx)`` with the run's input and the earlier groups' outputs.
 
     Raises:
-        MapOverError: ``over`` raised, or returned something other than a list/tuple of at
+        _MapOverError: ``over`` raised, or returned something other than a list/tuple of at
             most :data:`MAX_ITEMS` JSON values.
     """
     assert node.map is not None
@@ -93,19 +93,21 @@ def items_of(kernel: Kernel, workflow: Workflow, run: WorkflowRun, node: StageNo
     try:
         items = node.map.over(MapContext(parsed, outputs, run.config or {}))
     except Exception as exc:
-        raise MapOverError(f"Map stage {sid!r}: over() raised {type(exc).__name__}: {exc}") from exc
+        raise _MapOverError(
+            f"Map stage {sid!r}: over() raised {type(exc).__name__}: {exc}"
+        ) from exc
     if not isinstance(items, (list, tuple)):
-        raise MapOverError(
+        raise _MapOverError(
             f"Map stage {sid!r}: over() must return a list, got {type(items).__name__}"
         )
     if len(items) > MAX_ITEMS:
-        raise MapOverError(
+        raise _MapOverError(
             f"Map stage {sid!r}: over() returned {len(items)} items; at most {MAX_ITEMS}"
         )
     try:
         return [to_json_value(item) for item in items]
     except Exception as exc:
-        raise MapOverError(f"Map stage {sid!r}: an item is not JSON: {exc}") from exc
+        raise _MapOverError(f"Map stage {sid!r}: an item is not JSON: {exc}") from exc
 
 
 def expand(
@@ -125,7 +127,7 @@ def expand(
     reservation logic is :func:`.handlers.base.enqueue_stage_jobs`'.
 
     Raises:
-        MapOverError: see :func:`items_of` (the caller fails the run or rolls back).
+        _MapOverError: see :func:`items_of` (the caller fails the run or rolls back).
     """
     node = workflow.node(record.stage_id)
     assert node.map is not None

@@ -46,7 +46,7 @@ def enqueue_stage_jobs(
     :func:`..mapping.expand` instead (its item jobs; ``map:started`` appended to ``events``).
 
     Raises:
-        MapOverError: a map stage's ``over(ctx)`` failed (see :func:`..mapping.items_of`).
+        _MapOverError: a map stage's ``over(ctx)`` failed (see :func:`..mapping.items_of`).
     """
     if workflow is not None and workflow.has_maps:
         return _enqueue_with_maps(

@@ -195,14 +195,14 @@ def advance_new_group(
     fanned out (:func:`..mapping.expand`); one whose ``over`` failed is FAILED and one whose
     list was empty is COMPLETED at once - then the run is transitioned again right here.
     """
-    from ..mapping import MAP_OVER_FAILED, MapOverError
+    from ..mapping import MAP_OVER_FAILED, _MapOverError
 
     try:
         jobs = enqueue_stage_jobs(
             kernel.queue, run, new, workflow=workflow, reserve_for=reserve_for, serves=serves,
             kernel=kernel, events=events,
         )  # fmt: skip
-    except MapOverError as exc:
+    except _MapOverError as exc:
         jobs = []
         for record in new:
             if record.status == Status.PENDING and workflow.node(record.stage_id).map is not None:
