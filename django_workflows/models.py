@@ -181,6 +181,26 @@ class WorkflowStage(models.Model):
     def __str__(self) -> str:
         return f"{self.stage_id} ({self.status})"
 
+    @property
+    def items(self) -> dict[str, int] | None:
+        """A map stage's item counts ``{"total", "completed", "failed"}``; ``None`` for a
+        plain stage (or a map stage whose items are not created yet)."""
+        if self.items_total is None:
+            return None
+        return {
+            "total": self.items_total,
+            "completed": self.items_completed or 0,
+            "failed": self.items_failed or 0,
+        }
+
+    @property
+    def items_summary(self) -> str:
+        """``"items 7/10 completed, 1 failed"`` for a map stage; ``""`` otherwise."""
+        counts = self.items
+        if counts is None:
+            return ""
+        return f"items {counts['completed']}/{counts['total']} completed, {counts['failed']} failed"
+
 
 class WorkflowJob(models.Model):
     """One queued unit of work: execute one stage of one run (SPEC §1.7).

@@ -353,6 +353,14 @@ class RunSerializer(serializers.Serializer):
     )
 
 
+class MapItemsSerializer(serializers.Serializer):
+    """A map stage's items: how many ``over`` returned, completed, failed for good."""
+
+    total = serializers.IntegerField()
+    completed = serializers.IntegerField()
+    failed = serializers.IntegerField()
+
+
 class StageSerializer(serializers.Serializer):
     stage_id = serializers.CharField()
     name = serializers.CharField(allow_blank=True)
@@ -367,6 +375,11 @@ class StageSerializer(serializers.Serializer):
     progress = serializers.FloatField(allow_null=True, help_text="0-100")
     progress_message = serializers.CharField(allow_blank=True)
     next_poll_at = serializers.DateTimeField(allow_null=True)
+    items = MapItemsSerializer(
+        allow_null=True,
+        required=False,
+        help_text="a map stage's item counts (docs/fan-out.md); null for a plain stage",
+    )
 
 
 class WaitingSerializer(serializers.Serializer):

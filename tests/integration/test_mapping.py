@@ -191,3 +191,93 @@ def test_statements_per_item_do_not_grow_with_item_count() -> None:
     # item: lease, outcome, promotion); the in-process driver's rounds add a little noise.
     assert second <= first + 0.25, (s50, s100, s200)
     assert second <= 16, second
+
+
+def _continued_run() -> Any:
+    wf = _workflow(wid="shown", on_item_failure="continue", max_concurrency=2)
+    result = run_workflow(wf, {"numbers": [2, -1, 3]})
+    assert result.status == "COMPLETED"
+    return result
+
+
+@pytest.mark.django_db(transaction=True)  # the version's structure is stored on commit
+def test_admin_run_page_shows_map_counts(admin_client: Any) -> None:
+    from django.urls import reverse
+
+    result = _continued_run()
+    url = reverse("admin:django_workflows_workflowrun_change", args=[str(result.run_id)])
+    page = admin_client.get(url).content.decode()
+    assert "items 2/3 completed, 1 failed" in page
+    assert "map over _items(), max_concurrency 2, on_item_failure continue" in page
+
+
+def test_api_run_detail_shows_map_counts() -> None:
+    from django.contrib.auth.models import User
+    from rest_framework.test import APIClient
+
+    result = _continued_run()
+    client = APIClient()
+    client.force_authenticate(User.objects.create_superuser("root", "r@example.com", "x"))
+    body = client.get(f"/api/workflows/runs/{result.run_id}/").json()
+    stages = {s["stage_id"]: s for s in body["stages"]}
+    assert stages["square"]["items"] == {"total": 3, "completed": 2, "failed": 1}
+    assert stages["total"]["items"] is None
+    events = client.get(f"/api/workflows/runs/{result.run_id}/events/").json()
+    types = [e["event_type"] if "event_type" in e else e.get("type") for e in events["results"]]
+    assert "map:started" in types and "map:item_failed" in types
+
+
+def test_cli_run_show_prints_map_counts() -> None:
+    import io
+    import json
+
+    from django.core.management import call_command
+
+    result = _continued_run()
+    out = io.StringIO()
+    call_command("workflows_status", str(result.run_id), stdout=out)
+    assert "items 2/3 completed, 1 failed" in out.getvalue()
+    out = io.StringIO()
+    call_command("workflows_status", str(result.run_id), "--json", stdout=out)
+    stages = {s["stage_id"]: s for s in json.loads(out.getvalue())["stages"]}
+    assert stages["square"]["items"] == {"total": 3, "completed": 2, "failed": 1}
+
+
+def test_rerun_from_map_stage_recreates_items() -> None:
+    from django_workflows.kernel.commands import RerunFrom
+    from django_workflows.testing import make_kernel
+    from django_workflows.testing.kit import run_to_completion
+
+    wf = _workflow(wid="rerun-map", max_concurrency=2)
+    kernel = make_kernel(wf)
+    result = run_workflow(wf, {"numbers": [1, 2, 3]}, kernel=kernel)
+    assert result.output["total"] == 14
+    kernel.dispatch(RerunFrom(workflow_run_id=str(result.run_id), from_stage_id="square"))
+    run = run_to_completion(kernel, result.run_id)
+    assert run.status == "COMPLETED" and run.output["total"] == 14
+    record = WorkflowStage.objects.get(run_id=result.run_id, stage_id="square")
+    assert record.generation == 1 and record.items_completed == 3
+    jobs = WorkflowJob.objects.filter(workflow_run_id=result.run_id, stage_id="square")
+    assert jobs.count() == 6 and jobs.filter(status=Status.COMPLETED).count() == 6
+
+
+def test_cancel_cancels_held_items() -> None:
+    from django_workflows.kernel.commands import CancelRun
+    from django_workflows.kernel.hosting import process_available_jobs
+    from django_workflows.testing import make_kernel
+
+    wf = _workflow(wid="cancel-map", max_concurrency=1)
+    kernel = make_kernel(wf)
+    from django_workflows.kernel.commands import CreateRun
+
+    run_id = kernel.dispatch(
+        CreateRun(workflow_id=wf.id, input={"numbers": [1, 2, 3, 4]})
+    ).workflow_run_id
+    process_available_jobs(kernel, "w1", max_jobs=2)  # claim + item 0, item 1
+    held = WorkflowJob.objects.filter(workflow_run_id=run_id, status=Status.HELD).count()
+    assert held >= 1
+    kernel.dispatch(CancelRun(workflow_run_id=run_id, reason="stop"))
+    left = WorkflowJob.objects.filter(
+        workflow_run_id=run_id, status__in=(Status.HELD, Status.PENDING)
+    ).count()
+    assert left == 0

@@ -281,6 +281,7 @@ class RunDetailView(WorkflowsAPIView):
                     "progress": st.progress,
                     "progress_message": st.progress_message or "",
                     "next_poll_at": st.next_poll_at,
+                    "items": st.items,
                 }
                 for st in stages
             ],

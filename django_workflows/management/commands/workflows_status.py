@@ -130,6 +130,7 @@ def run_document(
                 "duration_ms": s.duration_ms,
                 "next_poll_at": s.next_poll_at,
                 "error_message": s.error_message,
+                "items": s.items,
                 "job": _job_document(jobs.get(s.stage_id)),
             }
             for s in stages
@@ -216,7 +217,9 @@ class Command(BaseCommand):
             if not note and s.stage_id in unblocked:  # RUNNING 62% but nobody works on it
                 note = unblocked[s.stage_id].message
             error = " ".join(
-                part for part in (s.error_message, f"({note})" if note else "") if part
+                part
+                for part in (s.items_summary, s.error_message, f"({note})" if note else "")
+                if part
             )
             job = jobs.get(s.stage_id)
             tries = f"{job.attempt}/{job.max_attempts}" if job is not None else "-"
