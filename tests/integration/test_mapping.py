@@ -281,3 +281,28 @@ def test_cancel_cancels_held_items() -> None:
         workflow_run_id=run_id, status__in=(Status.HELD, Status.PENDING)
     ).count()
     assert left == 0
+
+
+def test_ten_thousand_items_are_created_in_batches() -> None:
+    from django_workflows.kernel.commands import CreateRun
+    from django_workflows.kernel.hosting import process_available_jobs
+    from django_workflows.kernel.mapping import INSERT_BATCH
+    from django_workflows.testing import make_kernel
+
+    wf = _workflow(wid="ten-thousand", max_concurrency=50)
+    kernel = make_kernel(wf)
+    run_id = kernel.dispatch(
+        CreateRun(workflow_id=wf.id, input={"numbers": list(range(10_000))})
+    ).workflow_run_id
+    with CaptureQueriesContext(connection) as ctx:
+        process_available_jobs(kernel, "w1", max_jobs=1)  # claim, fan out, run item 0
+    inserts = [
+        q for q in ctx.captured_queries if q["sql"].startswith('INSERT INTO "workflow_jobs"')
+    ]
+    assert len(inserts) == 10_000 // INSERT_BATCH
+    assert len(ctx.captured_queries) < 40 + len(inserts), len(ctx.captured_queries)
+    jobs = WorkflowJob.objects.filter(workflow_run_id=run_id, stage_id="square")
+    assert jobs.count() == 10_000
+    assert jobs.filter(status=Status.HELD).count() == 10_000 - 51  # item 0 promoted one
+    record = WorkflowStage.objects.get(run_id=run_id, stage_id="square")
+    assert (record.items_total, record.items_completed) == (10_000, 1)
