@@ -86,8 +86,7 @@ def validate_map(
 
     Raises:
         WorkflowDefinitionError: ``over`` not callable, ``max_concurrency`` not an int in
-            1..10000, ``on_item_failure`` not ``"fail"``/``"continue"``, or an async-batch
-            stage (not supported as a mapped stage yet).
+            1..10000, or ``on_item_failure`` not ``"fail"``/``"continue"``.
     """
     where = f"Workflow {workflow_id!r}: map({stage.id!r})"
     if not callable(over):
@@ -104,11 +103,6 @@ def validate_map(
     if on_item_failure not in ON_ITEM_FAILURE:
         raise WorkflowDefinitionError(
             f"{where}: on_item_failure must be 'fail' or 'continue', got {on_item_failure!r}"
-        )
-    if stage.mode != "sync":
-        raise WorkflowDefinitionError(
-            f"{where}: only sync stages can be mapped (an async-batch stage per item is not "
-            "supported yet)"
         )
     return MapSpec(over=over, max_concurrency=max_concurrency, on_item_failure=on_item_failure)
 

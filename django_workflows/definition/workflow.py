@@ -682,8 +682,8 @@ class WorkflowBuilder:
         ``"continue"``. The next stage's input must be ``map_results(stage)``.
 
         Raises:
-            WorkflowDefinitionError: a bad argument (naming it), a duplicate id, an
-                async-batch stage, or an input model that does not fit the previous group.
+            WorkflowDefinitionError: a bad argument (naming it), a duplicate id, or an
+                input model that does not fit the previous group.
         """
         self._check([stage], parallel=False, mapping=True)
         spec = validate_map(self.id, stage, over, max_concurrency, on_item_failure)

@@ -262,9 +262,15 @@ class JobQueue:
         )
 
     def suspend(
-        self, job_id: int, next_poll_at: datetime | None, *, attempt: int | None = None
+        self,
+        job_id: int,
+        next_poll_at: datetime | None,
+        *,
+        attempt: int | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> bool:
-        """RUNNING -> SUSPENDED, lease cleared (DM-43, SM-22); fenced by ``attempt``."""
+        """RUNNING -> SUSPENDED, lease cleared (DM-43, SM-22); fenced by ``attempt``.
+        ``extra``: more columns set in the same UPDATE (a map item's ``payload``)."""
         now = self.clock.now()
         if next_poll_at is None:
             next_poll_at = now + timedelta(
@@ -281,6 +287,7 @@ class JobQueue:
                     updated_at=now,
                     worker_id=None,
                     locked_at=None,
+                    **(extra or {}),
                 ),
             )
         )

@@ -306,3 +306,39 @@ def test_ten_thousand_items_are_created_in_batches() -> None:
     assert jobs.filter(status=Status.HELD).count() == 10_000 - 51  # item 0 promoted one
     record = WorkflowStage.objects.get(run_id=run_id, stage_id="square")
     assert (record.items_total, record.items_completed) == (10_000, 1)
+
+
+def test_async_batch_items_suspend_and_poll_on_their_own() -> None:
+    from django_workflows.definition import CompletionCheck, Suspend, define_async_batch_stage
+
+    polls: dict[int, int] = {}
+
+    def submit(ctx: StageContext[Item]) -> Suspend:
+        return Suspend(
+            state={"batch_id": f"b{ctx.input.n}", "n": ctx.input.n}, poll_interval_seconds=30
+        )
+
+    def check(state: dict[str, Any], ctx: Any) -> CompletionCheck[Any]:
+        n = state["n"]
+        polls[n] = polls.get(n, 0) + 1
+        if n < 0:
+            return CompletionCheck.failed(f"batch {n} failed")
+        if polls[n] < 1 + n % 3:  # each item needs its own number of polls
+            return CompletionCheck.not_ready()
+        return CompletionCheck.done({"sq": n * n})
+
+    batch = define_async_batch_stage(
+        id="square", input=Item, output=Squared, execute=submit, check_completion=check
+    )
+    wf = (
+        define_workflow(id="batch-map", input=Numbers)
+        .map(batch, over=_items, max_concurrency=2, on_item_failure="continue")
+        .pipe(total)
+        .build()
+    )
+    result = run_workflow(wf, {"numbers": [1, 2, -3, 4, 5]})
+    assert result.status == "COMPLETED", result
+    assert result.output == {"total": 46, "count": 5, "failed": [2]}
+    assert polls == {1: 2, 2: 3, -3: 1, 4: 2, 5: 3}
+    jobs = WorkflowJob.objects.filter(workflow_run_id=result.run_id, stage_id="square")
+    assert all(j.attempt == 1 for j in jobs)  # one delivery each; the rest were polls

@@ -22,6 +22,7 @@ from ..executor import ExecutionOutcome
 from ..faults import fault_point
 from ..locking import lock_run
 from ..mapping import settle_item
+from ..mapping_poll import suspended_payload
 from ..outbox import append_events
 from ..services import KernelStageServices
 from ..store import stages_of, write_annotations, write_log
@@ -175,8 +176,21 @@ def _item_outcome(
     job = d.job
     index = job.item_index
     error = outcome.error
-    if error is None and outcome.suspend is not None:  # the builder maps sync stages only
-        error = f"Map item {index}: a mapped stage cannot suspend"
+    if error is None and outcome.suspend is not None:  # an async-batch item: polled on its own
+        s = outcome.suspend
+        payload = suspended_payload(job.payload or {}, s)
+        if not kernel.queue.suspend(
+            job.pk, s.next_poll_at, attempt=job.attempt, extra={"payload": payload}
+        ):
+            raise _Discard()
+        events = write_annotations(
+            run.pk, outcome.annotations, now=now, scope="item", scope_id=str(index),
+            stage_pk=d.record.pk, generation=d.record.generation,
+        )  # fmt: skip
+        append_events(events, d.causation_id, now)
+        transaction.on_commit(kernel.transport.wake_ticker)
+        fault_point("outcome.before_commit")
+        return Outcome("suspended")
     if error is not None:
         retry = outcome.retryable is not False and job.attempt < job.max_attempts
         status = kernel.queue.fail(
