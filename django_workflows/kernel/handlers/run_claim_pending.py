@@ -111,11 +111,12 @@ def start_claimed_run(
         with transaction.atomic():  # savepoint: Part I item 2
             records = create_missing_stages(run, workflow.stages_in_group(1), generation=0, now=now)
             if workflow.has_maps:  # issue 18 item 3: fan out a map stage (or settle it)
+                started = [ev.event(ev.WORKFLOW_STARTED, run.pk, now)]
                 step = advance_new_group(
-                    kernel, workflow, run, [], records, now, 1, events, reserve_for, serves
+                    kernel, workflow, run, [], records, now, 1, started, reserve_for, serves
                 )
+                events += step.events
                 jobs = [step.reserved_job] if step.reserved_job is not None else []
-                events.append(ev.event(ev.WORKFLOW_STARTED, run.pk, now))
                 return StartedRun(
                     ClaimedRun(str(run.pk), run.workflow_id, [j.pk for j in jobs]), jobs, records
                 )
