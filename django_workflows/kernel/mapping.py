@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from django.db.models import Subquery
-
 from ..blobs import output_key
 from ..definition.mapping import MAX_ITEMS, MapContext, map_results
 from ..definition.stage import DEFAULT_QUEUE, to_json_value
@@ -218,6 +216,8 @@ class Settled:
     run_failed: bool = False
     finished: bool = False
     output: Any = None
+    #: The next item, leased to ``reserve_for`` (``None``: none promoted, or made PENDING).
+    promoted: WorkflowJob | None = None
 
 
 def settle_item(
@@ -230,10 +230,12 @@ def settle_item(
     *,
     error: str | None,
     error_type: str | None = None,
+    reserve_for: str | None = None,
 ) -> Settled:
     """After an item's job was settled for good (COMPLETED, or FAILED with ``error``) in the
     caller's transaction (run row locked and RUNNING): counters, promotion, fan-in or the
     ``"fail"`` policy. O(1) statements, except the fan-in's one streamed read.
+    ``reserve_for``: a worker id; the promoted item is leased to it (``Settled.promoted``).
     """
     assert node.map is not None
     out = Settled()
@@ -293,26 +295,8 @@ def settle_item(
         items_failed=failed,
         progress=round(100.0 * settled / total, 2),
     )
-    promoted = (
-        WorkflowJob.objects.filter(
-            pk__in=Subquery(
-                WorkflowJob.objects.filter(
-                    workflow_run_id=run.pk,
-                    stage_id=sid,
-                    status=Status.HELD,
-                    item_index__isnull=False,
-                )
-                .order_by("item_index")
-                .values("pk")[:1]
-            )
-        ).update(status=Status.PENDING, updated_at=now)
-        if settled + _running_slack(node) <= total
-        else 0
-    )
-    if promoted:
-        from django.db import transaction
-
-        transaction.on_commit(lambda: kernel.transport.wake_workers(1, queue=job.queue))
+    if settled + node.map.max_concurrency <= total:  # a HELD item is left: promote one
+        out.promoted = _promote(kernel, run, sid, now, reserve_for)
     if settled < total:
         return out
     first_id = (row["metrics"] or {}).get("map_first_job_id") or 0
@@ -350,12 +334,47 @@ def settle_item(
     return out
 
 
-def _running_slack(node: StageNode) -> int:
-    """Items beyond the settled ones that are PENDING/RUNNING: ``max_concurrency - 1`` after
-    this one settled; a HELD item exists only if ``settled + max_concurrency <= total``.
+def _promote(
+    kernel: Kernel, run: WorkflowRun, sid: str, now: datetime, reserve_for: str | None
+) -> WorkflowJob | None:
+    """Free the settled item's slot: the next HELD item (in item order; two statements). With
+    ``reserve_for`` it is leased to that worker at once (RUNNING, attempt 1, lease stamped:
+    the worker continues with it, no wake and no lease transaction) and returned; otherwise
+    it becomes PENDING and one worker of its queue is woken after commit.
+
+    A HELD item exists only while ``settled + max_concurrency <= total`` (the caller checks):
+    ``max_concurrency`` items were made ready at first, one more per settled item.
     """
-    assert node.map is not None
-    return node.map.max_concurrency
+    job = (
+        WorkflowJob.objects.filter(
+            workflow_run_id=run.pk, stage_id=sid, status=Status.HELD, item_index__isnull=False
+        )
+        .order_by("item_index")
+        .first()
+    )
+    if job is None:
+        return None
+    if reserve_for is None:
+        values: dict[str, Any] = {"status": Status.PENDING, "updated_at": now}
+    else:
+        values = {
+            "status": Status.RUNNING,
+            "worker_id": reserve_for,
+            "locked_at": kernel.queue.lease_clock.now(),
+            "started_at": now,
+            "updated_at": now,
+            "attempt": job.attempt + 1,
+        }
+    if not rows.update(WorkflowJob, job.pk, values, where={"status": Status.HELD}):
+        return None
+    for name, value in values.items():
+        setattr(job, name, value)
+    if reserve_for is None:
+        from django.db import transaction
+
+        transaction.on_commit(lambda: kernel.transport.wake_workers(1, queue=job.queue))
+        return None
+    return job
 
 
 def _finish(

@@ -232,12 +232,24 @@ def _item_outcome(
     if status == Status.PENDING:
         transaction.on_commit(kernel.transport.wake_ticker)
     else:
+        stopping = stop is not None and stop.is_set()
+        reserve_for = None if stopping else worker_id
         settled = settle_item(
-            kernel, run, d.node, d.record.pk, job, now, error=error if status else None
+            kernel,
+            run,
+            d.node,
+            d.record.pk,
+            job,
+            now,
+            error=error if status else None,
+            reserve_for=reserve_for,
         )
         events += settled.events
+        if settled.promoted is not None:  # the next item, leased to this worker
+            following = begin(
+                kernel, settled.promoted, run, events, records=d.records, outputs=d.outputs
+            )
         if settled.finished:
-            stopping = stop is not None and stop.is_set()
             following = _transition(
                 kernel,
                 d,
@@ -245,7 +257,7 @@ def _item_outcome(
                 ExecuteJobResult("completed", output=settled.output),
                 events,
                 now,
-                None if stopping else worker_id,
+                reserve_for,
                 queues,
             )
     append_events(events, d.causation_id, now)
