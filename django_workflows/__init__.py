@@ -40,6 +40,7 @@ from .definition import (
     registry,
     stage,
 )
+from .definition.mapping import MapContext, MapFailure, MapResults, map_results
 
 __version__ = "0.1.0.dev0"
 
@@ -136,6 +137,9 @@ __all__ = [
     "InvalidCommandError",
     "InvalidWorkflowConfigError",
     "InvalidWorkflowInputError",
+    "MapContext",
+    "MapFailure",
+    "MapResults",
     "MissingStageOutputError",
     "NoConfig",
     "NoInput",
@@ -186,6 +190,7 @@ __all__ = [
     "get_kernel",
     "is_valid_stage_id",
     "list_annotations",
+    "map_results",
     "parallel_input",
     "pause_schedule",
     "register",

@@ -30,6 +30,9 @@ class Status(models.TextChoices):
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
     SKIPPED = "SKIPPED"
+    #: A map item's job waiting for a free slot of its stage's ``max_concurrency`` (jobs only;
+    #: issue 18 item 3): never leased; an item's outcome promotes the next one to PENDING.
+    HELD = "HELD"
 
 
 TERMINAL_RUN_STATUSES = frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED})
@@ -159,6 +162,12 @@ class WorkflowStage(models.Model):
     #: Why a SKIPPED stage did not run (issue 18: its ``when=`` was false, or another branch
     #: was chosen); ``""`` for every other status.
     skip_reason = models.TextField(blank=True, default="")
+    #: A map stage's items (issue 18 item 3): how many ``over`` returned, and how many have
+    #: completed / failed for good; ``None`` on a plain stage. Updated in each item's outcome
+    #: transaction; ``progress`` is settled / total.
+    items_total = models.PositiveIntegerField(null=True, blank=True)
+    items_completed = models.PositiveIntegerField(null=True, blank=True)
+    items_failed = models.PositiveIntegerField(null=True, blank=True)
 
     class Meta:
         db_table = "workflow_stages"
@@ -176,6 +185,26 @@ class WorkflowStage(models.Model):
 
     def __str__(self) -> str:
         return f"{self.stage_id} ({self.status})"
+
+    @property
+    def items(self) -> dict[str, int] | None:
+        """A map stage's item counts ``{"total", "completed", "failed"}``; ``None`` for a
+        plain stage (or a map stage whose items are not created yet)."""
+        if self.items_total is None:
+            return None
+        return {
+            "total": self.items_total,
+            "completed": self.items_completed or 0,
+            "failed": self.items_failed or 0,
+        }
+
+    @property
+    def items_summary(self) -> str:
+        """``"items 7/10 completed, 1 failed"`` for a map stage; ``""`` otherwise."""
+        counts = self.items
+        if counts is None:
+            return ""
+        return f"items {counts['completed']}/{counts['total']} completed, {counts['failed']} failed"
 
 
 class WorkflowJob(models.Model):
@@ -215,6 +244,11 @@ class WorkflowJob(models.Model):
     #: runs that version (its own or a ``takes_over``); ``""``: any worker (also the database
     #: default, for rows inserted by code that predates the column).
     definition_version = models.CharField(max_length=64, default="", db_default="", blank=True)
+    #: A map item's 0-based index in its stage's item list (issue 18 item 3; the item itself
+    #: is ``payload["item"]``); ``None`` for a plain stage's job.
+    item_index = models.PositiveIntegerField(null=True, blank=True)
+    #: A completed map item's output (JSON), written in the fenced UPDATE that completes it.
+    item_output = _json(null=True, blank=True)
 
     class Meta:
         db_table = "workflow_jobs"
@@ -232,6 +266,13 @@ class WorkflowJob(models.Model):
             ),
             models.Index(fields=["next_poll_at"], name="wf_job_next_poll_idx"),
             models.Index(fields=["workflow_run_id"], name="wf_job_run_idx"),
+            # Map items: the next HELD item of a run (one per item outcome) and the fan-in's
+            # read of the outputs in item order.
+            models.Index(
+                fields=["workflow_run_id", "stage_id", "status", "item_index"],
+                name="wf_job_run_item_idx",
+                condition=models.Q(item_index__isnull=False),
+            ),
         ]
 
     def __str__(self) -> str:

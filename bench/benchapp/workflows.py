@@ -106,3 +106,4 @@ BENCH_SUSPEND = register(
     .pipe(suspend_stage)
     .build()
 )
+from . import fanout  # noqa: E402, F401  (bench/fanout.py's workloads)

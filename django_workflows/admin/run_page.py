@@ -263,8 +263,18 @@ def stage_rows(run: WorkflowRun, stages: list[WorkflowStage]) -> list[StageRow]:
         for row in rows:
             defined = workflow.get_stage(row.stage_id)
             row.limits = timeouts.text(defined) if defined is not None else ""
+    structure = run_structure(run) or []
+    maps = {
+        str(entry.get("id", "")): entry["map"]
+        for group in structure
+        if isinstance(group, list)
+        for entry in group
+        if isinstance(entry, dict) and isinstance(entry.get("map"), dict)
+    }
+    for row in rows:
+        row.limits = _with_map(row.limits, maps.get(row.stage_id))
     row_of = {r.stage_id: r for r in rows}
-    for group_number, group in enumerate(run_structure(run) or [], start=1):
+    for group_number, group in enumerate(structure, start=1):
         for entry in group if isinstance(group, list) else []:
             sid = str(entry.get("id", ""))
             if sid in row_of:
@@ -272,6 +282,7 @@ def stage_rows(run: WorkflowRun, stages: list[WorkflowStage]) -> list[StageRow]:
             if sid and sid not in by_id:
                 defined = workflow.get_stage(sid) if workflow is not None else None
                 limits = timeouts.text(defined) if defined is not None else ""
+                limits = _with_map(limits, maps.get(sid))
                 rows.append(
                     StageRow(
                         sid,
@@ -299,6 +310,18 @@ def condition_text(entry: Any) -> str:
     if isinstance(when, dict):
         parts.append(f"when: {when.get('reason') or when.get('predicate')}")
     return "; ".join(parts)
+
+
+def _with_map(limits: str, spec: dict[str, Any] | None) -> str:
+    """A map stage's placement (docs/fan-out.md) after its limits text: "map over items(),
+    max_concurrency 10, on_item_failure fail"."""
+    if spec is None:
+        return limits
+    text = (
+        f"map over {spec.get('over', '?')}(), max_concurrency {spec.get('max_concurrency')}, "
+        f"on_item_failure {spec.get('on_item_failure')}"
+    )
+    return f"{limits}; {text}" if limits else text
 
 
 @dataclass

@@ -378,6 +378,14 @@ class RunSerializer(serializers.Serializer):
     )
 
 
+class MapItemsSerializer(serializers.Serializer):
+    """A map stage's items: how many ``over`` returned, completed, failed for good."""
+
+    total = serializers.IntegerField()
+    completed = serializers.IntegerField()
+    failed = serializers.IntegerField()
+
+
 class StageSerializer(serializers.Serializer):
     stage_id = serializers.CharField()
     name = serializers.CharField(allow_blank=True)
@@ -396,6 +404,11 @@ class StageSerializer(serializers.Serializer):
         allow_blank=True,
         help_text="why a SKIPPED stage did not run (its when= condition was false, or another "
         "branch was chosen); empty for every other status",
+    )
+    items = MapItemsSerializer(
+        allow_null=True,
+        required=False,
+        help_text="a map stage's item counts (docs/fan-out.md); null for a plain stage",
     )
 
 

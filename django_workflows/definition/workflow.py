@@ -20,13 +20,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from .conditions import BranchSpot, Condition
+from .mapping import MapContext, MapResults, MapSpec, validate_map
 from .stage import NoInput, Stage, WorkflowDefinitionError, format_validation_error, validate_id
 
 #: Explicit definition versions (``define_workflow(version=...)``): 1-64 printable characters
@@ -228,6 +229,8 @@ class StageNode:
     def conditional(self) -> bool:
         """Whether the stage may be SKIPPED (it has a condition or is in a branch)."""
         return self.when is not None or self.branch is not None
+    #: How the stage fans out (``.map()``; issue 18 item 3), ``None`` for a plain stage.
+    map: MapSpec | None = None
 
 
 class Workflow:
@@ -244,9 +247,13 @@ class Workflow:
         version: str | None = None,
         takes_over: Iterable[str] = (),
         placements: dict[str, tuple[Condition | None, BranchSpot | None]] | None = None,
+        maps: Mapping[str, MapSpec] | None = None,
     ) -> None:
         self.id = id
         self.name = name
+        maps = dict(maps or {})
+        #: Whether any stage is a map stage (the kernel's fan-out code runs only then).
+        self.has_maps = bool(maps)
         self.description = description
         self.input_model = input_model
         self._groups: tuple[tuple[StageNode, ...], ...] = ()
@@ -258,7 +265,7 @@ class Workflow:
                 number += 1
                 when, spot = (placements or {}).get(stage.id, (None, None))
                 when = when or Condition.of(stage.when)
-                placed.append(StageNode(stage, group_index, number, when, spot))
+                placed.append(StageNode(stage, group_index, number, when, spot, maps.get(stage.id)))
             nodes.append(tuple(placed))
         self._groups = tuple(nodes)
         #: Whether any stage may be SKIPPED (``when=`` or a branch): the transition rules
@@ -449,6 +456,11 @@ class Workflow:
                         "output": _schema(node.stage.output_model),
                         "config": _schema(node.stage.config_model),
                         **_placement(node, fingerprint=True),
+                        **(
+                            {"map": node.map.describe(fingerprint=True)}
+                            if node.map is not None
+                            else {}
+                        ),
                     }
                     for node in group
                 ]
@@ -483,6 +495,7 @@ class Workflow:
                         "kind": node.stage.mode,
                         "queue": node.stage.queue,
                         **_placement(node),
+                        **({"map": node.map.describe()} if node.map is not None else {}),
                     }
                     for node in group
                 ]
@@ -638,6 +651,7 @@ class WorkflowBuilder:
         #: Index in ``_groups`` of the group after the last branch block (no ParallelInput).
         self._after_branch: int | None = None
         self._branch_ids: list[str] = []
+        self._maps: dict[str, MapSpec] = {}
 
     def _check(
         self,
@@ -647,6 +661,7 @@ class WorkflowBuilder:
         known: list[str] | None = None,
         previous: list[Stage] | None = None,
         where: str = "",
+        mapping: bool = False,
     ) -> None:
         for stage in stages:
             if not isinstance(stage, Stage):
@@ -662,8 +677,24 @@ class WorkflowBuilder:
         defined = self._ids if known is None else known
         before = (self._groups[-1] if self._groups else []) if previous is None else previous
         previous_ids = [s.id for s in before]
+        mapped = (
+            previous_ids[0] if len(previous_ids) == 1 and previous_ids[0] in self._maps else None
+        )
         for stage in stages:
             model = stage.input_model
+            is_results = isinstance(model, type) and issubclass(model, MapResults)
+            fits = is_results and model.stage_ids == (mapped,)
+            if mapped is not None and not mapping and not fits:
+                raise WorkflowDefinitionError(
+                    f"Stage {stage.id!r} follows the map stage {mapped!r}: its input must be "
+                    f"map_results({mapped}) (the item outputs in item order)"
+                )
+            if is_results and mapped is None:
+                raise WorkflowDefinitionError(
+                    f"Stage {stage.id!r}: its input is map_results({model.stage_ids[0]}) but "
+                    f"the execution group before it is {', '.join(previous_ids) or '(none)'}, "
+                    "not that map stage"
+                )
             if isinstance(model, type) and issubclass(model, ParallelInput):
                 if previous is None and self._after_branch == len(self._groups):
                     raise WorkflowDefinitionError(
@@ -834,6 +865,35 @@ class WorkflowBuilder:
         self._after_branch = len(self._groups)
         return self
 
+    def map(
+        self,
+        stage: Stage,
+        *,
+        over: Callable[[MapContext], Any],
+        max_concurrency: int = 10,
+        on_item_failure: str = "fail",
+    ) -> WorkflowBuilder:
+        """Append ``stage`` as an execution group of its own that runs once per item of
+        ``over(ctx)`` (issue 18 item 3; see docs/fan-out.md).
+
+        ``over(ctx)`` (:class:`.mapping.MapContext`: ``.input``, ``.output(stage_id)``,
+        ``.config``) is called once when the group is created and must return a list (or
+        tuple) of JSON values, at most :data:`.mapping.MAX_ITEMS`; each item is validated by
+        the stage's input model when its job runs. ``max_concurrency``: items of one run
+        PENDING or RUNNING at once (1..10000). ``on_item_failure``: ``"fail"`` or
+        ``"continue"``. The next stage's input must be ``map_results(stage)``.
+
+        Raises:
+            WorkflowDefinitionError: a bad argument (naming it), a duplicate id, or an
+                input model that does not fit the previous group.
+        """
+        self._check([stage], parallel=False, mapping=True)
+        spec = validate_map(self.id, stage, over, max_concurrency, on_item_failure)
+        self._groups.append([stage])
+        self._ids.append(stage.id)
+        self._maps[stage.id] = spec
+        return self
+
     def build(self) -> Workflow:
         """Return the immutable workflow. Raises if it has no stage (Part I item 5)."""
         if not self._groups:
@@ -847,6 +907,7 @@ class WorkflowBuilder:
             version=self.version,
             takes_over=self.takes_over,
             placements=self._placements,
+            maps=self._maps,
         )
 
 

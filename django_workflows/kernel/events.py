@@ -25,6 +25,10 @@ STAGE_SKIPPED = "stage:skipped"
 #: A branch block chose its branch (issue 18): ``branch_id``, ``branch``, ``branches``.
 BRANCH_CHOSEN = "branch:chosen"
 ANNOTATION_CREATED = "annotation:created"
+#: A map stage started its items (issue 18 item 3): ``stage_id``, ``items_total``.
+MAP_STARTED = "map:started"
+#: A map item failed for good: ``stage_id``, ``item_index``, ``error``.
+MAP_ITEM_FAILED = "map:item_failed"
 
 EVENT_TYPES = (
     WORKFLOW_CREATED,
@@ -41,6 +45,8 @@ EVENT_TYPES = (
     STAGE_SKIPPED,
     BRANCH_CHOSEN,
     ANNOTATION_CREATED,
+    MAP_STARTED,
+    MAP_ITEM_FAILED,
 )
 
 

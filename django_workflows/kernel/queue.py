@@ -233,10 +233,16 @@ class JobQueue:
         return rows.update(WorkflowJob, job_id, values, where=where)
 
     def complete(
-        self, job_id: int, *, from_status: str = Status.RUNNING, attempt: int | None = None
+        self,
+        job_id: int,
+        *,
+        from_status: str = Status.RUNNING,
+        attempt: int | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> bool:
         """RUNNING (or ``from_status``) -> COMPLETED (DM-42, SM-21/26); with ``attempt`` only
-        if the job is still at that delivery (fencing).
+        if the job is still at that delivery (fencing). ``extra``: more columns set in the
+        same UPDATE (a map item's ``item_output``).
         """
         now = self.clock.now()
         return bool(
@@ -250,14 +256,21 @@ class JobQueue:
                     updated_at=now,
                     worker_id=None,
                     locked_at=None,
+                    **(extra or {}),
                 ),
             )
         )
 
     def suspend(
-        self, job_id: int, next_poll_at: datetime | None, *, attempt: int | None = None
+        self,
+        job_id: int,
+        next_poll_at: datetime | None,
+        *,
+        attempt: int | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> bool:
-        """RUNNING -> SUSPENDED, lease cleared (DM-43, SM-22); fenced by ``attempt``."""
+        """RUNNING -> SUSPENDED, lease cleared (DM-43, SM-22); fenced by ``attempt``.
+        ``extra``: more columns set in the same UPDATE (a map item's ``payload``)."""
         now = self.clock.now()
         if next_poll_at is None:
             next_poll_at = now + timedelta(
@@ -274,6 +287,7 @@ class JobQueue:
                     updated_at=now,
                     worker_id=None,
                     locked_at=None,
+                    **(extra or {}),
                 ),
             )
         )
@@ -442,13 +456,15 @@ class JobQueue:
         return sum(1 for job in lock_exhausted_stale_jobs(cutoff) if self.give_up(job))
 
     def cancel_by_run(self, run_id: uuid.UUID, *, running: bool = False) -> int:
-        """PENDING and SUSPENDED jobs of the run -> CANCELLED (DM-47). RUNNING ones are left,
+        """PENDING, SUSPENDED and HELD (map items) jobs of the run -> CANCELLED (DM-47).
+        RUNNING ones are left,
         unless ``running``: then they are taken back too (a rerun, issue 17: a delivery of the
         old generation, however live its lease, no longer owns its job, so its outcome matches
         no fence and its heartbeat reports the lease lost). Returns the count.
         """
         now = self.clock.now()
-        statuses = [Status.PENDING, Status.SUSPENDED] + ([Status.RUNNING] if running else [])
+        statuses = [Status.PENDING, Status.SUSPENDED, Status.HELD]
+        statuses += [Status.RUNNING] if running else []
         return WorkflowJob.objects.filter(workflow_run_id=run_id, status__in=statuses).update(
             status=Status.CANCELLED, completed_at=now, updated_at=now
         )

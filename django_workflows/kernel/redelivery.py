@@ -24,7 +24,7 @@ guard of Part I item 1):
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
@@ -78,6 +78,8 @@ def _give_up(kernel: Kernel, job: WorkflowJob, message: str, error_type: str) ->
     if record is None:
         logger.warning("Exhausted job %s has no stage record %r", job.pk, job.stage_id)
         return queue.settle(job, Status.FAILED, error=message)
+    if job.item_index is not None:  # a map item (issue 18 item 3): it fails for good
+        return _give_up_item(kernel, run, record, job, message)
     if record.status == Status.SUSPENDED:
         return queue.settle(job, Status.SUSPENDED, next_poll_at=record.next_poll_at)
 
@@ -124,4 +126,30 @@ def _give_up(kernel: Kernel, job: WorkflowJob, message: str, error_type: str) ->
 
     out = run_transition.handle(kernel, TransitionRun(job.workflow_run_id))
     append_events([*events, *out.events], new_causation_id(), now)
+    return True
+
+
+def _give_up_item(
+    kernel: Kernel, run: Any, record: WorkflowStage, job: WorkflowJob, message: str
+) -> bool:
+    """An exhausted map item: the job FAILED, then the item settles as failed
+    (:func:`.mapping.settle_item`: counters, promotion, the stage's failure policy) and the
+    run is transitioned when that was the stage's last item.
+    """
+    from .handlers import run_transition
+    from .mapping import settle_item
+
+    now = kernel.clock.now()
+    if not kernel.queue.settle(job, Status.FAILED, error=message):
+        return False
+    workflow = kernel.registry.get(job.workflow_id)
+    if record.status != Status.RUNNING or workflow is None or not workflow.has_stage(job.stage_id):
+        return True
+    settled = settle_item(
+        kernel, run, workflow.node(job.stage_id), record.pk, job, now, error=message
+    )
+    events = settled.events
+    if settled.finished:
+        events += run_transition.handle(kernel, TransitionRun(job.workflow_run_id)).events
+    append_events(events, new_causation_id(), now)
     return True

@@ -119,6 +119,9 @@ class KernelStageServices:
         self.clock = clock
         self.run_id = run_id
         self.stage_pk = stage_pk
+        #: A map item's index (issue 18 item 3): its live progress is not written to the map
+        #: stage's record (whose progress is settled / total items).
+        self.item_index: int | None = None
         self.storage = RunScopedStorage(blobs, workflow_type, run_id, stage_id)
         self._progress_interval = progress_interval_seconds
         self._cancel_interval = cancel_check_interval_seconds
@@ -149,7 +152,7 @@ class KernelStageServices:
             return
         self._last_progress = mono
         self.pending_progress = None
-        if self.stage_pk is not None:
+        if self.stage_pk is not None and self.item_index is None:
             fields = {
                 "progress": progress,
                 "progress_message": storable_text(message[:2000]),

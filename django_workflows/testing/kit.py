@@ -192,7 +192,10 @@ def _next_due(run_id: Any) -> datetime | None:
     polls = WorkflowStage.objects.filter(
         run_id=run_id, status=Status.SUSPENDED, next_poll_at__isnull=False
     ).aggregate(at=Min("next_poll_at"))["at"]
-    due = [t for t in (jobs, polls) if t is not None]
+    items = WorkflowJob.objects.filter(  # suspended async-batch map items (issue 18 item 3)
+        workflow_run_id=run_id, status=Status.SUSPENDED, item_index__isnull=False
+    ).aggregate(at=Min("next_poll_at"))["at"]
+    due = [t for t in (jobs, polls, items) if t is not None]
     return min(due) if due else None
 
 

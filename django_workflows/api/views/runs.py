@@ -282,6 +282,7 @@ class RunDetailView(WorkflowsAPIView):
                     "progress_message": st.progress_message or "",
                     "next_poll_at": st.next_poll_at,
                     "skip_reason": st.skip_reason,
+                    "items": st.items,
                 }
                 for st in stages
             ],

@@ -28,6 +28,8 @@ def enqueue_stage_jobs(
     workflow: Workflow | None,
     reserve_for: str | None = None,
     serves: frozenset[str] | None = None,
+    kernel: Any = None,
+    events: list[dict[str, Any]] | None = None,
 ) -> list[WorkflowJob]:
     """Enqueue one job per PENDING record (K-CP-4, K-TR-6): priority = run priority, payload =
     ``{"config": run.config}`` (WF-45), queue = its stage's ``queue`` in ``workflow``
@@ -39,8 +41,28 @@ def enqueue_stage_jobs(
     whose queue is in ``serves`` (the worker's queues; ``None``: any), and none if no job's
     queue is served (they stay PENDING and their queues' clusters are woken). Returns the
     inserted jobs, the reserved one (RUNNING) first.
-    """
 
+    A map stage's record (issue 18 item 3; ``kernel`` required then) is fanned out by
+    :func:`..mapping.expand` instead (its item jobs; ``map:started`` appended to ``events``).
+
+    Raises:
+        _MapOverError: a map stage's ``over(ctx)`` failed (see :func:`..mapping.items_of`).
+    """
+    if workflow is not None and workflow.has_maps:
+        return _enqueue_with_maps(
+            queue, run, records, workflow, reserve_for, serves, kernel, events
+        )
+    return _enqueue_plain(queue, run, records, workflow, reserve_for, serves)
+
+
+def _enqueue_plain(
+    queue: JobQueue,
+    run: WorkflowRun,
+    records: list[WorkflowStage],
+    workflow: Workflow | None,
+    reserve_for: str | None,
+    serves: frozenset[str] | None,
+) -> list[WorkflowJob]:
     def stage_of(stage_id: str) -> Stage | None:
         return workflow.get_stage(stage_id) if workflow is not None else None
 
@@ -81,3 +103,44 @@ def job_leased_to(jobs: list[WorkflowJob], reserve_for: str | None) -> WorkflowJ
     if reserve_for and jobs and jobs[0].worker_id == reserve_for:
         return jobs[0]
     return None
+
+
+def _enqueue_with_maps(
+    queue: JobQueue,
+    run: WorkflowRun,
+    records: list[WorkflowStage],
+    workflow: Workflow,
+    reserve_for: str | None,
+    serves: frozenset[str] | None,
+    kernel: Any,
+    events: list[dict[str, Any]] | None,
+) -> list[WorkflowJob]:
+    """:func:`enqueue_stage_jobs` for a workflow with map stages: plain records as usual,
+    map records through :func:`..mapping.expand` (a map stage is alone in its group).
+    """
+    from ..mapping import expand
+
+    maps = [
+        r
+        for r in records
+        if r.status == Status.PENDING
+        and workflow.has_stage(r.stage_id)
+        and workflow.node(r.stage_id).map is not None
+    ]
+    if not maps:
+        return _enqueue_plain(queue, run, records, workflow, reserve_for, serves)
+    if kernel is None:
+        raise RuntimeError("enqueue_stage_jobs: a map stage needs the kernel")
+    jobs: list[WorkflowJob] = []
+    for record in maps:
+        jobs += expand(
+            kernel,
+            queue,
+            workflow,
+            run,
+            record,
+            reserve_for=reserve_for if not jobs else None,
+            serves=serves,
+            events=events,
+        )
+    return jobs

@@ -19,6 +19,7 @@ from .. import events as ev
 from ..commands import ClaimedRun, ClaimPendingRuns, ClaimPendingRunsResult
 from ..locking import claim_next_pending_run
 from ..stage_path.conditions import open_groups
+from ..stage_path.transition import advance_new_group
 from ..store import create_missing_stages, run_error, update_run, write_log
 from .base import HandlerOutput, enqueue_stage_jobs
 
@@ -118,6 +119,16 @@ def start_claimed_run(
     try:
         with transaction.atomic():  # savepoint: Part I item 2
             records = create_missing_stages(run, workflow.stages_in_group(1), generation=0, now=now)
+            if workflow.has_maps:  # issue 18 item 3: fan out a map stage (or settle it)
+                started = [ev.event(ev.WORKFLOW_STARTED, run.pk, now)]
+                step = advance_new_group(
+                    kernel, workflow, run, [], records, now, 1, started, reserve_for, serves
+                )
+                events += step.events
+                jobs = [step.reserved_job] if step.reserved_job is not None else []
+                return StartedRun(
+                    ClaimedRun(str(run.pk), run.workflow_id, [j.pk for j in jobs]), jobs, records
+                )
             jobs = enqueue_stage_jobs(
                 kernel.queue,
                 run,

@@ -5,7 +5,8 @@ A RUNNING run is a candidate when neither it nor any of its stage records change
 
 * a RUNNING job with a fresh lease (heartbeats keep it fresh, EC-22);
 * a SUSPENDED stage whose next poll or deadline is still ahead (EC-23);
-* a PENDING job waiting in the queue (EC-24);
+* a PENDING job waiting in the queue (EC-24), or a suspended map item whose next poll is
+  still ahead (issue 18 item 3);
 * a run of a definition version this process does not run (issue 12 item 3): its suspended
   stages are polled, and its stuck-ness judged, by a process of its own version.
 
@@ -65,6 +66,12 @@ def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
                 WorkflowJob.objects.filter(workflow_run_id=run_ref).filter(
                     Q(status=Status.PENDING)
                     | Q(status=Status.RUNNING, locked_at__gte=lease_fresh_after)
+                    # A suspended async-batch map item polled later (issue 18 item 3).
+                    | Q(
+                        status=Status.SUSPENDED,
+                        item_index__isnull=False,
+                        next_poll_at__gt=judged_at,
+                    )
                 )
             )
         )
@@ -102,7 +109,7 @@ def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
         if pending:
             orphans = _orphans(run_id, pending)
             if orphans:
-                enqueue_stage_jobs(kernel.queue, run, orphans, workflow=workflow)
+                enqueue_stage_jobs(kernel.queue, run, orphans, workflow=workflow, kernel=kernel)
                 update_run(run_id, now)
                 recovered += 1
                 continue

@@ -23,6 +23,7 @@ from ..errors import RunNotFoundError, RunStateError, StageNotFoundError, Workfl
 from ..jsonvalue import storable_text
 from ..locking import lock_run, parse_run_id
 from ..stage_path.conditions import open_groups
+from ..stage_path.transition import advance_new_group
 from ..store import create_missing_stages, stages_of, update_run
 from ..versions import ensure_stored
 from .base import HandlerOutput, enqueue_stage_jobs
@@ -98,8 +99,15 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
     new = create_missing_stages(
         run, workflow.stages_in_group(target), generation=generation, now=now
     )
+    started = [ev.event(ev.WORKFLOW_STARTED, run_id, now, rerun=_marker(cmd, generation))]
+    if workflow.has_maps:  # issue 18 item 3: a map stage's items are created anew
+        others = [r for r in records if r.execution_group < target]
+        step = advance_new_group(kernel, workflow, run, others, new, now, target, [], None, None)
+        return HandlerOutput(
+            RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids), started + step.events
+        )
     enqueue_stage_jobs(kernel.queue, run, new, workflow=workflow)
-    return HandlerOutput(RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids), [started])
+    return HandlerOutput(RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids), started)
 
 
 def rerun_group(workflow: Workflow, stage_id: str) -> int:

@@ -39,6 +39,7 @@ from ..errors import RunNotRunningError
 from ..executor import error_text
 from ..jsonvalue import storable_text
 from ..locking import _RunRowLocked, require_running
+from ..mapping_poll import poll_items, polls_items
 from ..outbox import append_events, new_causation_id
 from ..services import KernelStageServices
 from ..store import duration_ms, run_error, update_run, write_annotations
@@ -74,6 +75,9 @@ def handle(kernel: Kernel, cmd: PollSuspendedStages) -> PollSuspendedStagesResul
                 result.resumed_workflow_run_ids.append(str(record.run_id))
         elif outcome == "failed":
             result.failed += 1
+    if polls_items(kernel):  # async-batch map items (issue 18 item 3): jobs, not records
+        checked, _ = poll_items(kernel, cmd.max_checks - result.checked)
+        result.checked += checked
     return result
 
 

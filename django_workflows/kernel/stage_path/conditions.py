@@ -143,6 +143,21 @@ def open_groups(
             new = create_missing_stages(
                 run, runnable, generation=generation, now=now, records=records
             )
+            if workflow.has_maps:  # a map stage fans out (or settles at once): item 3
+                from .transition import advance_new_group
+
+                step = advance_new_group(
+                    kernel, workflow, run, records, new, now, group, events, reserve_for,
+                    serves, cache,
+                )  # fmt: skip
+                return Opened(
+                    step.result.action,
+                    step.result.next_group or group,
+                    step.events,
+                    step.new_records,
+                    [step.reserved_job] if step.reserved_job is not None else [],
+                    step.reserved_job,
+                )
             jobs = enqueue_stage_jobs(
                 kernel.queue, run, new, workflow=workflow, reserve_for=reserve_for, serves=serves
             )

@@ -19,7 +19,7 @@ from ..services import KernelStageServices
 from . import Delivery
 from . import lease as lease_step
 from .outcome import commit_outcome
-from .records import run_stage
+from .records import NO_ITEM, run_stage
 
 if TYPE_CHECKING:
     from ..dispatch import Kernel
@@ -49,6 +49,7 @@ def execute(kernel: Kernel, delivery: Delivery) -> tuple[ExecutionOutcome, Kerne
         stage_id=d.node.stage.id,
         stage_pk=d.record.pk,
     )
+    services.item_index = d.job.item_index
     interval = float(workflow_settings.HEARTBEAT_INTERVAL_SECONDS)
     timeout = timeouts.stage_timeout_seconds(d.node.stage)
     # Inside an enclosing transaction (a test's atomic block, the test kit) the lease is not
@@ -74,6 +75,7 @@ def execute(kernel: Kernel, delivery: Delivery) -> tuple[ExecutionOutcome, Kerne
                 d.resume_state,
                 services,
                 d.started_at,
+                d.job.payload.get("item") if d.job.item_index is not None else NO_ITEM,
             )
     except BaseException as exc:
         if not is_task_timeout(exc):

@@ -162,6 +162,8 @@ def begin(
         records = stages_of(run.pk)
     record = next((r for r in records if r.stage_id == node.stage.id), None)
     now = kernel.clock.now()
+    if job.item_index is not None:  # a map item (issue 18 item 3)
+        return _begin_item(kernel, job, workflow, node, run, record, records, outputs, now)
     if record is not None and record.status == Status.COMPLETED:
         # K-JE-5: the stage already completed (an earlier delivery committed its outcome).
         kernel.queue.complete(job.pk, attempt=job.attempt)
@@ -204,6 +206,51 @@ def begin(
         resume_state=resume_state,
         started_at=now,
         causation_id=causation,
+    )
+
+
+def _begin_item(
+    kernel: Kernel,
+    job: WorkflowJob,
+    workflow: Workflow,
+    node: Any,
+    run: WorkflowRun,
+    record: WorkflowStage | None,
+    records: list[WorkflowStage],
+    outputs: dict[str, Any] | None,
+    now: Any,
+) -> Delivery | None:
+    """:func:`begin` for a map item's job: the map stage's record was marked RUNNING when its
+    items were created, so it is not started again (no ``stage:started`` per item); an item of
+    a record that is no longer RUNNING (the stage failed, a rerun) is failed unexecuted.
+    """
+    if record is None or record.status != Status.RUNNING:
+        state = record.status if record is not None else "gone"
+        kernel.queue.fail(
+            job.pk,
+            f"Map stage {job.stage_id!r} is {state}; item {job.item_index} not executed",
+            attempt=job.attempt,
+            max_attempts=job.max_attempts,
+        )
+        return None
+    known = outputs or {}
+    earlier = [
+        r
+        for r in records
+        if r.execution_group < node.execution_group and r.status == Status.COMPLETED
+    ]
+    missing = [r for r in earlier if r.stage_id not in known]
+    loaded = load_outputs(kernel.blobs, missing) if missing else {}
+    return Delivery(
+        job=job,
+        workflow=workflow,
+        node=node,
+        run=run,
+        record=record,
+        records=records,
+        outputs={r.stage_id: known.get(r.stage_id, loaded.get(r.stage_id)) for r in earlier},
+        resume_state=None,
+        started_at=now,
     )
 
 

@@ -16,13 +16,16 @@ from django.db import transaction
 from ...definition.stage import Stage
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import timeouts
+from ..commands import ExecuteJobResult
 from ..connections import retry_on_disconnect
 from ..executor import ExecutionOutcome
 from ..faults import fault_point
 from ..locking import lock_run
+from ..mapping import settle_item
+from ..mapping_poll import suspended_payload
 from ..outbox import append_events
 from ..services import KernelStageServices
-from ..store import stages_of, write_log
+from ..store import stages_of, write_annotations, write_log
 from . import Delivery, Outcome, _Discard
 from .lease import _adopt_orphan, begin
 from .records import write_outcome
@@ -83,6 +86,24 @@ def _outcome_transaction(
     stop: threading.Event | None,
     queues: frozenset[str] | None = None,
 ) -> Outcome:
+    """One try of transaction 3; see :func:`_stage_transaction`. The fault point
+    ``outcome.after_commit`` follows the commit (not a ghost's).
+    """
+    result = _stage_transaction(kernel, d, outcome, services, worker_id, stop, queues)
+    if result.outcome != "ghost":
+        fault_point("outcome.after_commit")
+    return result
+
+
+def _stage_transaction(
+    kernel: Kernel,
+    d: Delivery,
+    outcome: ExecutionOutcome,
+    services: KernelStageServices,
+    worker_id: str | None,
+    stop: threading.Event | None,
+    queues: frozenset[str] | None = None,
+) -> Outcome:
     """One try of transaction 3 (safe to run again: the fence makes a second commit of the
     same outcome impossible). Raises :class:`_Discard` when the token no longer owns the job.
     """
@@ -96,6 +117,8 @@ def _outcome_transaction(
                 raise _Discard()  # not ours any more either: a stale delivery
             return Outcome("ghost", error=error)
         now = kernel.clock.now()
+        if job.item_index is not None:  # a map item (issue 18 item 3)
+            return _item_outcome(kernel, d, run, outcome, services, now, worker_id, stop, queues)
         result = _settle_job(kernel, job, outcome, d.node.stage)
         if result is None:
             raise _Discard()
@@ -121,7 +144,6 @@ def _outcome_transaction(
             following = _transition(kernel, d, run, stage_result, events, now, reserve_for, queues)
         append_events(events, d.causation_id, now)
         fault_point("outcome.before_commit")
-    fault_point("outcome.after_commit")
     return Outcome(
         stage_result.outcome,
         error=stage_result.error,
@@ -132,6 +154,120 @@ def _outcome_transaction(
 
 
 _GHOST_SUFFIX = "the result was discarded (expected RUNNING)"
+
+
+def _item_outcome(
+    kernel: Kernel,
+    d: Delivery,
+    run: WorkflowRun,
+    outcome: ExecutionOutcome,
+    services: KernelStageServices,
+    now: datetime,
+    worker_id: str | None,
+    stop: threading.Event | None,
+    queues: frozenset[str] | None,
+) -> Outcome:
+    """Transaction 3 for a map item, inside :func:`_outcome_transaction` (run locked and
+    RUNNING): the fenced job update (COMPLETED with its ``item_output``, back to PENDING for a
+    retry, or FAILED), the item's annotations (scope ``"item"``, scope id its index) and
+    warnings, then :func:`..mapping.settle_item`; the last item's settlement completes the
+    stage and transitions the run (the next stage may be leased to this worker).
+    """
+    job = d.job
+    index = job.item_index
+    error = outcome.error
+    if error is None and outcome.suspend is not None:  # an async-batch item: polled on its own
+        s = outcome.suspend
+        payload = suspended_payload(job.payload or {}, s)
+        if not kernel.queue.suspend(
+            job.pk, s.next_poll_at, attempt=job.attempt, extra={"payload": payload}
+        ):
+            raise _Discard()
+        events = write_annotations(
+            run.pk, outcome.annotations, now=now, scope="item", scope_id=str(index),
+            stage_pk=d.record.pk, generation=d.record.generation,
+        )  # fmt: skip
+        append_events(events, d.causation_id, now)
+        transaction.on_commit(kernel.transport.wake_ticker)
+        fault_point("outcome.before_commit")
+        return Outcome("suspended")
+    if error is not None:
+        retry = outcome.retryable is not False and job.attempt < job.max_attempts
+        status = kernel.queue.fail(
+            job.pk,
+            error,
+            should_retry=retry,
+            attempt=job.attempt,
+            max_attempts=job.max_attempts,
+            policy=d.node.stage.retry,
+        )
+    else:
+        done = kernel.queue.complete(
+            job.pk, attempt=job.attempt, extra={"item_output": outcome.output}
+        )
+        status = Status.COMPLETED if done else None
+    if status is None:
+        raise _Discard()
+    events: list[dict[str, Any]] = write_annotations(
+        run.pk,
+        outcome.annotations,
+        now=now,
+        scope="item",
+        scope_id=str(index),
+        stage_pk=d.record.pk,
+        generation=d.record.generation,
+    )
+    for warning in outcome.warnings:
+        write_log(now, "WARN", warning, run_id=run.pk, stage_pk=d.record.pk)
+    if error is not None:
+        write_log(
+            now,
+            "WARN" if status == Status.PENDING else "ERROR",
+            f"Stage {d.node.stage.id} item {index} failed: {error}",
+            run_id=run.pk,
+            stage_pk=d.record.pk,
+            metadata={"item_index": index, "attempt": job.attempt},
+        )
+    following: Delivery | None = None
+    if status == Status.PENDING:
+        transaction.on_commit(kernel.transport.wake_ticker)
+    else:
+        stopping = stop is not None and stop.is_set()
+        reserve_for = None if stopping else worker_id
+        settled = settle_item(
+            kernel,
+            run,
+            d.node,
+            d.record.pk,
+            job,
+            now,
+            error=error if status else None,
+            reserve_for=reserve_for,
+        )
+        events += settled.events
+        if settled.promoted is not None:  # the next item, leased to this worker
+            following = begin(
+                kernel, settled.promoted, run, events, records=d.records, outputs=d.outputs
+            )
+        if settled.finished:
+            following = _transition(
+                kernel,
+                d,
+                run,
+                ExecuteJobResult("completed", output=settled.output),
+                events,
+                now,
+                reserve_for,
+                queues,
+            )
+    append_events(events, d.causation_id, now)
+    fault_point("outcome.before_commit")
+    return Outcome(
+        "completed" if error is None else "failed",
+        error=error,
+        retrying=status == Status.PENDING,
+        next=following,
+    )
 
 
 def _adopt_continuation(kernel: Kernel, d: Delivery, worker_id: str) -> Delivery | None:

@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ...blobs import artifact_key, output_key
+from ...definition.mapping import map_results
 from ...definition.workflow import StageNode, Workflow
 from ...models import Status, WorkflowRun, WorkflowStage
 from .. import events as ev
@@ -23,6 +24,9 @@ from .conditions import group_input
 
 if TYPE_CHECKING:
     from ..dispatch import Kernel
+
+#: :func:`run_stage`'s ``item`` when the job is not a map item.
+NO_ITEM: Any = object()
 
 
 def write_outcome(
@@ -111,15 +115,19 @@ def run_stage(
     resume_state: Any,
     services: KernelStageServices,
     start: datetime,
+    item: Any = NO_ITEM,
 ) -> ExecutionOutcome:
     """Phase 2 (no transaction): resolve the input from the previous group (WF-40/41) and run
     the stage through the executor with the outputs of earlier groups as its context
     (Part I item 7). ``raw_outputs``: ``{stage_id: output}`` of earlier groups' COMPLETED
-    records. ``config``: the whole run-config map (``None``: the run's).
+    records. ``config``: the whole run-config map (``None``: the run's). ``item``: a map
+    item's JSON (issue 18 item 3), the stage's input instead of the previous group's output.
     """
     group = node.execution_group
     skipped: frozenset[str] = frozenset()
-    if workflow.has_conditions:  # issue 18: skipped stages are passed over (no query)
+    if item is not NO_ITEM:
+        present, raw_input = True, item
+    elif workflow.has_conditions:  # issue 18: skipped stages are passed over (no query)
         present, raw_input, skipped = group_input(workflow, node, run.input, raw_outputs)
     elif group == 1:
         present, raw_input = True, run.input
@@ -133,7 +141,10 @@ def run_stage(
     context = {}
     for stage_id, data in raw_outputs.items():
         producer = workflow.get_stage(stage_id)
-        context[stage_id] = producer.load_output(data) if producer else data
+        if producer is not None and workflow.has_maps and workflow.node(stage_id).map:
+            context[stage_id] = map_results(producer).model_validate(data)
+        else:
+            context[stage_id] = producer.load_output(data) if producer else data
     return kernel.executor.run(
         ExecutionInput(
             workflow=workflow,

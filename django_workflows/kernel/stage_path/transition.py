@@ -30,6 +30,7 @@ from ..store import (
     load_outputs,
     run_error,
     update_run,
+    update_stage,
 )
 from . import conditions
 
@@ -116,14 +117,16 @@ def advance(
     if not records:
         new = create_missing_stages(run, workflow.stages_in_group(1), generation=0, now=now)
         update_run(run_id, now)
+        started = [ev.event(ev.WORKFLOW_STARTED, run_id, now)]
+        if workflow.has_maps:
+            return advance_new_group(
+                kernel, workflow, run, [], new, now, 1, started, reserve_for, serves
+            )
         jobs = enqueue_stage_jobs(
             kernel.queue, run, new, workflow=workflow, reserve_for=reserve_for, serves=serves
         )
         return Advance(
-            TransitionRunResult("advanced", 1),
-            [ev.event(ev.WORKFLOW_STARTED, run_id, now)],
-            new,
-            job_leased_to(jobs, reserve_for),
+            TransitionRunResult("advanced", 1), started, new, job_leased_to(jobs, reserve_for)
         )
 
     if any(r.status in ACTIVE_STAGE_STATUSES for r in records):
@@ -169,6 +172,11 @@ def advance(
         new = create_missing_stages(
             run, next_nodes, generation=generation, now=now, records=records
         )
+        if workflow.has_maps:
+            return advance_new_group(
+                kernel, workflow, run, records, new, now, max_group + 1, [], reserve_for, serves,
+                outputs,
+            )  # fmt: skip
         jobs = enqueue_stage_jobs(
             kernel.queue, run, new, workflow=workflow, reserve_for=reserve_for, serves=serves
         )
@@ -210,4 +218,60 @@ def advance(
                 total_tokens=total_tokens,
             )
         ],
+    )
+
+
+def advance_new_group(
+    kernel: Kernel,
+    workflow: Workflow,
+    run: WorkflowRun,
+    records: list[WorkflowStage],
+    new: list[WorkflowStage],
+    now: datetime,
+    group: int,
+    events: list[dict[str, Any]],
+    reserve_for: str | None,
+    serves: frozenset[str] | None,
+    outputs: dict[str, Any] | None = None,
+) -> Advance:
+    """The new group's jobs for a workflow with map stages (issue 18 item 3): a map stage is
+    fanned out (:func:`..mapping.expand`); one whose ``over`` failed is FAILED and one whose
+    list was empty is COMPLETED at once - then the run is transitioned again right here.
+    """
+    from ..mapping import MAP_OVER_FAILED, _MapOverError
+
+    try:
+        jobs = enqueue_stage_jobs(
+            kernel.queue, run, new, workflow=workflow, reserve_for=reserve_for, serves=serves,
+            kernel=kernel, events=events,
+        )  # fmt: skip
+    except _MapOverError as exc:
+        jobs = []
+        for record in new:
+            if record.status == Status.PENDING and workflow.node(record.stage_id).map is not None:
+                fields = dict(
+                    status=Status.FAILED,
+                    completed_at=now,
+                    error_message=str(exc),
+                    metrics={"error_type": MAP_OVER_FAILED},
+                )
+                update_stage(record.pk, now, **fields)
+                for name, value in fields.items():
+                    setattr(record, name, value)
+                events.append(
+                    ev.event(
+                        ev.STAGE_FAILED, run.pk, now, stage_id=record.stage_id,
+                        stage_name=record.stage_name, error=str(exc),
+                    )
+                )  # fmt: skip
+                break
+    if any(r.status in (Status.COMPLETED, Status.FAILED) for r in new):
+        ids = {r.stage_id for r in new}
+        step = advance(
+            kernel, workflow, run, [r for r in records if r.stage_id not in ids] + new, now,
+            outputs=outputs, reserve_for=reserve_for, serves=serves,
+        )  # fmt: skip
+        return Advance(step.result, events + step.events, new + step.new_records, step.reserved_job)
+    return Advance(
+        TransitionRunResult("advanced", group), events, new, job_leased_to(jobs, reserve_for)
     )

@@ -131,6 +131,7 @@ def run_document(
                 "next_poll_at": s.next_poll_at,
                 "error_message": s.error_message,
                 "skip_reason": s.skip_reason,
+                "items": s.items,
                 "job": _job_document(jobs.get(s.stage_id)),
             }
             for s in stages
@@ -219,7 +220,9 @@ class Command(BaseCommand):
             if s.status == Status.SKIPPED and s.skip_reason:  # issue 18: why it did not run
                 note = f"skipped: {s.skip_reason}"
             error = " ".join(
-                part for part in (s.error_message, f"({note})" if note else "") if part
+                part
+                for part in (s.items_summary, s.error_message, f"({note})" if note else "")
+                if part
             )
             job = jobs.get(s.stage_id)
             tries = f"{job.attempt}/{job.max_attempts}" if job is not None else "-"
