@@ -229,6 +229,7 @@ class StageNode:
     def conditional(self) -> bool:
         """Whether the stage may be SKIPPED (it has a condition or is in a branch)."""
         return self.when is not None or self.branch is not None
+
     #: How the stage fans out (``.map()``; issue 18 item 3), ``None`` for a plain stage.
     map: MapSpec | None = None
 

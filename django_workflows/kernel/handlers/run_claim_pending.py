@@ -168,6 +168,7 @@ def _start_conditional(
                 now=now,
                 reserve_for=reserve_for,
                 serves=serves,
+                map_opener=advance_new_group,
             )
     except Exception as exc:
         _fail(kernel, run, "CLAIM_FAILED", f"{type(exc).__name__}: {exc}", worker_id, events)

@@ -92,7 +92,16 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
     started = ev.event(ev.WORKFLOW_STARTED, run_id, now, rerun=_marker(cmd, generation))
     if workflow.has_conditions:  # issue 18: the conditions are decided again
         kept = [r for r in records if r.execution_group < target]
-        opened = open_groups(kernel, workflow, run, kept, target, generation=generation, now=now)
+        opened = open_groups(
+            kernel,
+            workflow,
+            run,
+            kept,
+            target,
+            generation=generation,
+            now=now,
+            map_opener=advance_new_group,
+        )
         return HandlerOutput(
             RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids), [started, *opened.events]
         )

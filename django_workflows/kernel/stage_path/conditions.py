@@ -72,9 +72,13 @@ def open_groups(
     outputs: dict[str, Any] | None = None,
     reserve_for: str | None = None,
     serves: frozenset[str] | None = None,
+    map_opener: Any = None,
 ) -> Opened:
     """Open execution group ``group`` of a run whose row the caller locked (RUNNING), skipping
     its stages whose condition is false and passing on while a whole group is skipped.
+
+    ``map_opener``: :func:`.transition.advance_new_group`, required when the workflow has map
+    stages (passed in: this module is imported by :mod:`.transition`).
 
     ``records``: the run's current stage records (none of group ``group`` or later).
     ``outputs``: raw outputs ``{stage_id: output}`` the caller already holds.
@@ -144,9 +148,9 @@ def open_groups(
                 run, runnable, generation=generation, now=now, records=records
             )
             if workflow.has_maps:  # a map stage fans out (or settles at once): item 3
-                from .transition import advance_new_group
-
-                step = advance_new_group(
+                if map_opener is None:
+                    raise RuntimeError("open_groups: a workflow with map stages needs map_opener")
+                step = map_opener(
                     kernel, workflow, run, records, new, now, group, events, reserve_for,
                     serves, cache,
                 )  # fmt: skip

@@ -65,6 +65,7 @@ def _advance_conditional(
         outputs=outputs,
         reserve_for=reserve_for,
         serves=serves,
+        map_opener=advance_new_group,
     )
     if not records:
         opened.events.insert(0, ev.event(ev.WORKFLOW_STARTED, run.pk, now))
