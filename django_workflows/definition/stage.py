@@ -214,6 +214,9 @@ class Stage:
             :mod:`..kernel.timeouts`).
         queue_timeout_seconds: the longest a ready job of the stage may wait for a worker of
             its ``queue`` (seconds, > 0), or ``None``: ``DEFAULT_QUEUE_TIMEOUT_SECONDS``.
+        signal: ``None``, or the :class:`~django_workflows.definition.signal.SignalWait` of a
+            stage made by :func:`~django_workflows.wait_for_signal` (the poller consumes a
+            signal instead of calling ``check_completion``).
     """
 
     id: str
@@ -231,6 +234,7 @@ class Stage:
     retry: RetryPolicy | None = None
     timeout_seconds: float | None = None
     queue_timeout_seconds: float | None = None
+    signal: Any = None
     _defaults: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -410,6 +410,12 @@ class Workflow:
                         "input": _schema(node.stage.input_model),
                         "output": _schema(node.stage.output_model),
                         "config": _schema(node.stage.config_model),
+                        # only when used: every other workflow keeps its fingerprint
+                        **(
+                            {"signal": node.stage.signal.fingerprint_material()}
+                            if node.stage.signal is not None
+                            else {}
+                        ),
                     }
                     for node in group
                 ]
@@ -431,7 +437,8 @@ class Workflow:
     def structure(self) -> dict[str, Any]:
         """The definition as stored once per version (``WorkflowDefinitionVersion.structure``)
         for the admin's view of a run: ``{"name", "groups": [[{"id", "name", "kind",
-        "queue"}, ...], ...]}``.
+        "queue"}, ...], ...]}``; a ``wait_for_signal`` stage also has ``"signal"``
+        (:meth:`~django_workflows.definition.signal.SignalWait.structure`).
         """
         return {
             "name": self.name,
@@ -442,6 +449,11 @@ class Workflow:
                         "name": node.stage.name,
                         "kind": node.stage.mode,
                         "queue": node.stage.queue,
+                        **(
+                            {"signal": node.stage.signal.structure()}
+                            if node.stage.signal is not None
+                            else {}
+                        ),
                     }
                     for node in group
                 ]

@@ -21,6 +21,7 @@ STAGE_SUSPENDED = "stage:suspended"
 STAGE_FAILED = "stage:failed"
 STAGE_PROGRESS = "stage:progress"
 ANNOTATION_CREATED = "annotation:created"
+SIGNAL_RECEIVED = "signal:received"
 
 EVENT_TYPES = (
     WORKFLOW_CREATED,
@@ -35,6 +36,7 @@ EVENT_TYPES = (
     STAGE_FAILED,
     STAGE_PROGRESS,
     ANNOTATION_CREATED,
+    SIGNAL_RECEIVED,
 )
 
 
