@@ -254,3 +254,66 @@ def test_signal_stages_appear_in_structure_and_fingerprint_only_when_used() -> N
         .build()
     )
     assert renamed.fingerprint() != flow.fingerprint()
+
+
+def test_waiting_reasons_name_the_signal_and_its_timeout(
+    kernel_for: KernelFor, clock: FakeClock
+) -> None:
+    from django_workflows.management.commands._waiting import run_waiting
+    from django_workflows.runs import waiting_reasons
+
+    kernel = kernel_for(_flow(timeout_seconds=3600))
+    run_id = _start(kernel)
+    run = drive(kernel, run_id, rounds=3, advance_seconds=0)
+    record = WorkflowStage.objects.get(run_id=run_id, stage_id="approved")
+    (reason,) = waiting_reasons(run)
+    assert (reason.reason, reason.stage_id, reason.signal, reason.at) == (
+        "signal",
+        "approved",
+        "approved",
+        record.max_wait_until,
+    )
+    assert reason.message == (
+        f"waiting for signal 'approved' (timeout at {record.max_wait_until.isoformat()})"
+    )
+    (cli,) = run_waiting(run)
+    assert cli.command == f"python manage.py workflows_signal {run_id} approved --payload '<JSON>'"
+
+
+def test_the_cli_sends_signals_and_reports_errors(kernel_for: KernelFor, clock: FakeClock) -> None:
+    import io
+
+    from django.core.management import CommandError, call_command
+
+    kernel = kernel_for(_flow())  # the command dispatches through the default kernel
+    run_id = _start(kernel)
+    out = io.StringIO()
+    call_command(
+        "workflows_signal",
+        run_id,
+        "approved",
+        "--payload",
+        '{"by": "cli"}',
+        "--key",
+        "k",
+        stdout=out,
+    )
+    assert out.getvalue().startswith("stored signal ")
+    out = io.StringIO()
+    call_command("workflows_signal", run_id, "approved", "--key", "k", stdout=out)
+    assert "duplicate: key 'k' was already used for signal" in out.getvalue()
+    row = WorkflowSignal.objects.get(run_id=run_id)
+    assert row.payload == {"by": "cli"} and row.actor.startswith("cli")
+    for argv, text in [
+        ([run_id, "approved", "--payload", "{nope"], "--payload: not JSON"),
+        ([run_id, "bad name"], "name: 'bad name' is not a valid signal name"),
+        (["xyz", "approved"], "not a valid run id"),
+        (["00000000-0000-0000-0000-000000000000", "approved"], "not found"),
+        ([run_id, "approved", "--key", ""], "--key: expected a non-empty string"),
+    ]:
+        with pytest.raises(CommandError, match=text):
+            call_command("workflows_signal", *argv, stdout=io.StringIO())
+    kernel.dispatch(CancelRun(run_id))
+    with pytest.raises(CommandError, match="finished run takes no signals"):
+        call_command("workflows_signal", run_id, "approved", stdout=io.StringIO())
+    assert WorkflowSignal.objects.filter(run_id=run_id).count() == 1

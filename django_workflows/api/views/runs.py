@@ -224,6 +224,8 @@ def _waiting(
         if w.reason == "approval":
             who = f" by one of {', '.join(w.allowed_approvers)}" if w.allowed_approvers else ""
             message = f"waiting for a decision (POST approve/ or reject/){who}"
+        elif w.reason == "signal":
+            message = f"{message}; POST signals/ with name {w.signal!r}"
         out.append(
             {
                 "reason": w.reason,
