@@ -36,7 +36,7 @@ SIGNAL_TIMEOUT = "SignalTimeout"
 #: ``run.error["error_type"]`` of a stage whose consumed signal's payload failed the schema.
 SIGNAL_PAYLOAD_INVALID = "SignalPayloadInvalid"
 #: Default seconds between safety-net polls (a signal wakes the stage at once anyway).
-DEFAULT_SIGNAL_POLL_SECONDS = 30.0
+DEFAULT_SIGNAL_POLL_SECONDS = 300.0
 
 OnTimeout = Literal["fail", "complete"]
 
