@@ -513,7 +513,8 @@ class SendSignal:
         payload: any JSON value (``None`` allowed), at most ``MAX_SIGNAL_PAYLOAD_BYTES`` bytes
             as compact JSON.
         key: the signal's idempotency key, unique per run (at most 255 characters): a repeated
-            send with the same key stores nothing and answers ``stored=False``.
+            send with the same key stores nothing and answers ``stored=False`` (also once the
+            run has finished).
         actor: who sent it (free text, at most 200 characters, e.g. ``"user:alice"``).
 
     One transaction that locks the run row: the signal row, the ``signal:received`` outbox

@@ -131,6 +131,12 @@ def test_a_repeated_key_is_a_duplicate(kernel_for: KernelFor, clock: FakeClock) 
         OutboxEvent.objects.filter(workflow_run_id=run_id, event_type=ev.SIGNAL_RECEIVED).count()
         == 1
     )
+    # a retried send after the run finished is still answered as a duplicate
+    kernel.dispatch(CancelRun(run_id))
+    late = send_signal(run_id, "go", {"n": 1}, key="k1", kernel=kernel)
+    assert not late.stored and late.signal_id == first.signal_id
+    with pytest.raises(RunTerminalError):
+        send_signal(run_id, "go", {"n": 1}, key="k2", kernel=kernel)
     # the same key on another run is another signal
     other = _start(kernel, "sig2")
     assert send_signal(other, "go", None, key="k1", kernel=kernel).stored

@@ -2,11 +2,14 @@
 
 One transaction (the dispatcher's) that locks the run row:
 
-* unknown run -> :class:`RunNotFoundError`; COMPLETED / FAILED / CANCELLED ->
-  :class:`RunTerminalError` (a PENDING run takes signals: they wait for its stages);
+* unknown run -> :class:`RunNotFoundError`;
 * a ``key`` already stored for the run -> the first signal's id, ``stored=False``, nothing
-  written (the unique constraint ``wf_signal_run_key_uniq`` backs this up; the run-row lock
-  serialises senders of one run, so the look-up cannot race);
+  written, whatever the run's status now (a retried send of a signal that was stored, and
+  maybe consumed by the stage that finished the run, is answered as a duplicate); the unique
+  constraint ``wf_signal_run_key_uniq`` backs this up; the run-row lock serialises senders of
+  one run, so the look-up cannot race;
+* COMPLETED / FAILED / CANCELLED -> :class:`RunTerminalError` (a PENDING run takes signals:
+  they wait for its stages);
 * else the :class:`~django_workflows.models.WorkflowSignal` row and a ``signal:received``
   event; a SUSPENDED ``wait_for_signal`` stage of the run waiting for ``name`` gets
   ``next_poll_at = now`` and the ticker is woken after commit, so the stage consumes the
@@ -77,8 +80,6 @@ def handle(kernel: Kernel, cmd: SendSignal) -> HandlerOutput:
     run = lock_run(run_id)
     if run is None:
         raise RunNotFoundError(run_id)
-    if run.status in TERMINAL_RUN_STATUSES:
-        raise RunTerminalError(run_id, run.status)
     if cmd.key is not None:
         earlier = (
             WorkflowSignal.objects.filter(run_id=run_id, idempotency_key=cmd.key)
@@ -89,6 +90,8 @@ def handle(kernel: Kernel, cmd: SendSignal) -> HandlerOutput:
             return HandlerOutput(
                 SendSignalResult(str(run_id), earlier[0], earlier[1], stored=False)
             )
+    if run.status in TERMINAL_RUN_STATUSES:
+        raise RunTerminalError(run_id, run.status)
     now = kernel.clock.now()
     signal = WorkflowSignal.objects.create(
         created_at=now,
