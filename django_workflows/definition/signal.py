@@ -31,6 +31,30 @@ from .stage import (
 SIGNAL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
 #: ``suspended_state["kind"]`` of a stage waiting for a signal.
 SIGNAL_WAIT_KIND = "django_workflows.signal"
+#: ``suspended_state["kind"]`` of a waiting ``approval_stage`` (``django_workflows.approval``).
+APPROVAL_WAIT_KIND = "django_workflows.approval"
+
+
+def approval_signal(stage_id: str) -> str:
+    """The signal name an approval decision sends for stage ``stage_id``:
+    ``"approval.<stage_id>"`` (reserved for ``django_workflows.approval``)."""
+    return f"approval.{stage_id}"
+
+
+def waited_signal(state: Any, stage_id: str) -> str | None:
+    """The signal name a SUSPENDED stage's ``suspended_state`` waits for, or ``None``: its
+    ``"signal"`` member, else (an approval stage suspended before approvals used signals) its
+    approval signal."""
+    if not isinstance(state, dict):
+        return None
+    name = state.get("signal")
+    if isinstance(name, str) and name:
+        return name
+    if state.get("kind") == APPROVAL_WAIT_KIND:
+        return approval_signal(stage_id)
+    return None
+
+
 #: ``run.error["error_type"]`` of a stage that got no signal before its timeout.
 SIGNAL_TIMEOUT = "SignalTimeout"
 #: ``run.error["error_type"]`` of a stage whose consumed signal's payload failed the schema.
@@ -189,10 +213,13 @@ def wait_for_signal(
 
 
 __all__ = [
+    "APPROVAL_WAIT_KIND",
     "SIGNAL_NAME_PATTERN",
     "SIGNAL_PAYLOAD_INVALID",
     "SIGNAL_TIMEOUT",
     "SIGNAL_WAIT_KIND",
     "SignalWait",
+    "approval_signal",
     "wait_for_signal",
+    "waited_signal",
 ]

@@ -323,3 +323,50 @@ def test_the_cli_sends_signals_and_reports_errors(kernel_for: KernelFor, clock: 
     with pytest.raises(CommandError, match="finished run takes no signals"):
         call_command("workflows_signal", run_id, "approved", stdout=io.StringIO())
     assert WorkflowSignal.objects.filter(run_id=run_id).count() == 1
+
+
+def test_an_approval_decision_is_a_signal_consumed_with_the_stage(
+    kernel_for: KernelFor, clock: FakeClock
+) -> None:
+    """``approve`` keeps writing its provenance annotations and also sends ``approval.<stage>``
+    (key ``approval:<stage>:<generation>``): the stage is due at once - no clock move past its
+    poll interval - and the poll that completes it consumes the signal; a rejection that
+    fails the run consumes it too."""
+    from django_workflows.approval import approval_stage, approve, reject
+
+    flow = (
+        define_workflow(id="sig-approval")
+        .pipe(approval_stage(id="review", poll_interval_seconds=3600))
+        .build()
+    )
+    strict = (
+        define_workflow(id="sig-approval-strict")
+        .pipe(approval_stage(id="review", poll_interval_seconds=3600, fail_on_reject=True))
+        .build()
+    )
+    kernel = kernel_for(flow, strict)
+    run_id = _start(kernel, "sig-approval")
+    drive(kernel, run_id, rounds=3, advance_seconds=0)
+    record = WorkflowStage.objects.get(run_id=run_id, stage_id="review")
+    assert record.suspended_state["signal"] == "approval.review"
+    approve(run_id, by="alice", comment="ok", kernel=kernel)
+    signal = WorkflowSignal.objects.get(run_id=run_id)
+    assert (signal.name, signal.idempotency_key, signal.actor) == (
+        "approval.review",
+        "approval:review:0",
+        "user:alice",
+    )
+    assert signal.payload["outcome"] == "approved" and signal.payload["by"] == "alice"
+    assert WorkflowStage.objects.get(pk=record.pk).next_poll_at == clock.now()
+    run = drive(kernel, run_id, rounds=3, advance_seconds=0)
+    assert run.status == Status.COMPLETED and run.output["decided_by"] == "alice"
+    signal.refresh_from_db()
+    assert (signal.consumed_stage_id, signal.consumed_by_id) == ("review", record.pk)
+    assert kernel.annotations.list(run_id, key="decision.outcome")[0].value == "approved"
+
+    failing = _start(kernel, "sig-approval-strict")
+    drive(kernel, failing, rounds=3, advance_seconds=0)
+    reject(failing, by="bob", reason="no", kernel=kernel)
+    run = drive(kernel, failing, rounds=3, advance_seconds=0)
+    assert run.status == Status.FAILED and run.error["error_type"] == "ApprovalRejected"
+    assert WorkflowSignal.objects.get(run_id=failing).consumed_at is not None

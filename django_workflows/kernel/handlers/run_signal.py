@@ -11,7 +11,8 @@ One transaction (the dispatcher's) that locks the run row:
 * COMPLETED / FAILED / CANCELLED -> :class:`RunTerminalError` (a PENDING run takes signals:
   they wait for its stages);
 * else the :class:`~django_workflows.models.WorkflowSignal` row and a ``signal:received``
-  event; a SUSPENDED ``wait_for_signal`` stage of the run waiting for ``name`` gets
+  event; a SUSPENDED stage of the run waiting for ``name`` (its ``suspended_state["signal"]``:
+  a ``wait_for_signal`` or an ``approval_stage``) gets
   ``next_poll_at = now`` and the ticker is woken after commit, so the stage consumes the
   signal at the next tick instead of after its poll interval.
 
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import transaction
 
-from ...definition.signal import SIGNAL_NAME_PATTERN, SIGNAL_WAIT_KIND
+from ...definition.signal import SIGNAL_NAME_PATTERN
 from ...models import TERMINAL_RUN_STATUSES, Status, WorkflowSignal, WorkflowStage
 from .. import events as ev
 from ..commands import SendSignal, SendSignalResult
@@ -103,10 +104,7 @@ def handle(kernel: Kernel, cmd: SendSignal) -> HandlerOutput:
     )
     woke = (
         WorkflowStage.objects.filter(
-            run_id=run_id,
-            status=Status.SUSPENDED,
-            suspended_state__kind=SIGNAL_WAIT_KIND,
-            suspended_state__signal=cmd.name,
+            run_id=run_id, status=Status.SUSPENDED, suspended_state__signal=cmd.name
         ).update(next_poll_at=now, updated_at=now)
         > 0
     )

@@ -31,7 +31,7 @@ from ...blobs import output_key
 from ...conf import workflow_settings
 from ...definition.context import CompletionContext
 from ...definition.results import UNSET, CompletionCheck, StageFailed
-from ...definition.signal import SIGNAL_PAYLOAD_INVALID, SIGNAL_TIMEOUT
+from ...definition.signal import SIGNAL_PAYLOAD_INVALID, SIGNAL_TIMEOUT, waited_signal
 from ...definition.stage import format_validation_error
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowSignal, WorkflowStage
 from .. import events as ev
@@ -139,6 +139,8 @@ def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
     annotations = ctx.annotations
 
     def apply(now: datetime, events: list[dict[str, Any]]) -> str:
+        if check.error or check.ready:
+            _consume_waited_signal(record, now)
         if check.error:
             outcome = _fail_both(record, check.error, now, events, failure_type)
         elif check.ready:
@@ -174,6 +176,32 @@ def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
         return outcome
 
     return _write(kernel, record, apply)
+
+
+def _consume_waited_signal(record: WorkflowStage, now: datetime) -> None:
+    """A stage whose state names a signal it waits for (an approval stage: its decision sends
+    ``approval.<stage id>``) consumes the oldest unconsumed one with its outcome, fenced
+    (``WHERE consumed_at IS NULL``), in this transaction. No such signal (a decision recorded
+    before approvals sent signals): nothing to consume. Other stages: no query.
+    """
+    name = waited_signal(record.suspended_state, record.stage_id)
+    if name is None:
+        return
+    found = (
+        WorkflowSignal.objects.filter(run_id=record.run_id, name=name, consumed_at__isnull=True)
+        .order_by("created_at", "id")
+        .values_list("id", flat=True)
+        .first()
+    )
+    if found is not None and not WorkflowSignal.objects.filter(
+        pk=found, consumed_at__isnull=True
+    ).update(
+        consumed_at=now,
+        consumed_by_id=record.pk,
+        consumed_stage_id=record.stage_id,
+        consumed_generation=record.generation,
+    ):
+        raise _Stale()
 
 
 def _poll_signal(kernel: Kernel, run: WorkflowRun, stage: Any, record: WorkflowStage) -> str:
