@@ -24,6 +24,12 @@ key                         approve                           reject
 ``approval.policy.version`` the policy version, if any        the policy version, if any
 ==========================  ================================  ==================================
 
+The decision is also sent as the signal ``approval.<stage id>`` (docs/signals.md) in the same
+transaction, with the idempotency key ``approval:<stage id>:<generation>``: it makes the waiting
+stage due at once (no waiting for ``poll_interval_seconds``, which is now a safety net) and the
+poll that completes (or fails) the stage consumes it exactly once. The decision itself is read
+from the annotations, so provenance, allowed approvers and "first decision wins" are unchanged.
+
 The first decision of a generation wins: a repeated identical decision is a no-op, a conflicting
 one raises :class:`ApprovalConflictError`. ``check_completion`` reads the first
 ``decision.outcome`` of the stage's current generation, so after ``run.rerunFrom`` the stage asks
@@ -43,6 +49,7 @@ from pydantic import BaseModel, Field, model_validator
 from .conventions import Approval, Decision
 from .definition.context import CompletionContext, StageContext
 from .definition.results import CompletionCheck, StageFailed, Suspend
+from .definition.signal import APPROVAL_WAIT_KIND, approval_signal
 from .definition.stage import DEFAULT_QUEUE, Stage, define_async_batch_stage
 from .kernel.errors import RunStateError
 
@@ -50,7 +57,7 @@ if TYPE_CHECKING:
     from .kernel.dispatch import Kernel
 
 #: ``suspended_state["kind"]`` of a waiting approval stage.
-APPROVAL_KIND = "django_workflows.approval"
+APPROVAL_KIND = APPROVAL_WAIT_KIND
 #: ``run.error["error_type"]`` of a run failed by a rejection (``fail_on_reject=True``).
 APPROVAL_REJECTED = "ApprovalRejected"
 Outcome = Literal["approved", "rejected"]
@@ -133,7 +140,8 @@ def approval_stage(
     Args:
         id: the stage id (the scope id of the decision annotations).
         name / description / dependencies: as for any stage. The stage accepts any input.
-        poll_interval_seconds: how often the maintenance tick looks for a decision (> 0).
+        poll_interval_seconds: how often the maintenance tick looks for a decision (> 0); a
+            decision made with :func:`decide` wakes the stage at once anyway.
         max_wait_seconds: fail stage and run when no decision came within this many seconds;
             ``0`` (default) waits forever.
         allowed_approvers: actor ids whose decisions count (empty/``None``: anyone);
@@ -187,6 +195,8 @@ def approval_stage(
                 "batch_id": f"approval:{ctx.workflow_run_id}:{ctx.stage_id}:{ctx.generation}",
                 "kind": APPROVAL_KIND,
                 "allowed_approvers": list(opts.allowed_approvers),
+                # a decision sends this signal: it wakes the stage at once (docs/signals.md)
+                "signal": approval_signal(ctx.stage_id),
             },
             poll_interval_seconds=opts.poll_interval_seconds,
             max_wait_seconds=opts.max_wait_seconds,
@@ -393,7 +403,9 @@ def decide(
     picks one when several wait), check the actor against its allowed approvers and any
     earlier decision of the same generation, then ``kernel.annotations.attach`` the decision keys
     (table in the module docstring) with idempotency key ``approval:<stage>:<generation>`` and
-    ``emit_event=True``. The stage resumes at its next poll.
+    ``emit_event=True``, and send the signal ``approval.<stage id>`` (payload ``{"outcome",
+    "by", "actor_kind", "generation", "rationale"}``, the same key): the stage is due at once
+    and its next poll completes it, consuming the signal (docs/signals.md).
 
     Args:
         run_id: the run (UUID or string).
@@ -417,6 +429,7 @@ def decide(
     """
     from django.db import transaction
 
+    from .kernel.commands import SendSignal
     from .kernel.errors import InvalidCommandError, RunNotFoundError
     from .kernel.locking import lock_run, parse_run_id
     from .kernel.runtime import get_kernel
@@ -481,6 +494,26 @@ def decide(
             idempotency_key=f"approval:{target.stage_id}:{target.generation}",
             emit_event=True,
         )
+        if result.created:
+            # The decision as a signal (same transaction): stored durably, it makes the
+            # waiting stage due now and wakes the ticker after commit; the poll that
+            # completes the stage consumes it exactly once. The decision itself is read from
+            # the annotations above (provenance, allowed approvers, first decision wins).
+            kernel.dispatch(
+                SendSignal(
+                    rid,
+                    approval_signal(target.stage_id),
+                    {
+                        "outcome": outcome,
+                        "by": by,
+                        "actor_kind": actor_kind,
+                        "generation": target.generation,
+                        "rationale": rationale or None,
+                    },
+                    key=f"approval:{target.stage_id}:{target.generation}",
+                    actor=f"{actor_kind}:{by}"[:200],
+                )
+            )
     return ApprovalRecorded(
         str(rid), target.stage_id, target.generation, outcome, result.created > 0
     )

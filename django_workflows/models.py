@@ -603,3 +603,52 @@ class WorkflowWorkerVersions(models.Model):
 
     def __str__(self) -> str:
         return f"versions of worker {self.worker_id}"
+
+
+class WorkflowSignal(models.Model):
+    """A named message sent to a run from outside (issue 18 item 4, ``send_signal``).
+
+    Stored durably when sent (buffered: it may arrive before a stage waits for it) and
+    consumed at most once, by the first ``wait_for_signal`` stage of the run that waits for
+    its ``name`` (oldest unconsumed first): ``consumed_at`` is set by a fenced update
+    (``... WHERE consumed_at IS NULL``) in the poll transaction that completes that stage.
+    ``idempotency_key`` is unique per run when given: a repeated send with the same key is a
+    duplicate and stores nothing.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    created_at = models.DateTimeField()
+    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="signals")
+    name = models.CharField(max_length=200)
+    payload = _json(null=True, blank=True)
+    idempotency_key = models.CharField(max_length=255, null=True, blank=True)
+    actor = models.CharField(max_length=200, null=True, blank=True)
+    consumed_at = models.DateTimeField(null=True, blank=True)
+    consumed_by = models.ForeignKey(
+        WorkflowStage,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="consumed_signals",
+    )
+    #: ``stage_id`` of the stage record that consumed it (kept if that record is deleted).
+    consumed_stage_id = models.CharField(max_length=200, null=True, blank=True)
+    #: The rerun generation of the consuming stage record.
+    consumed_generation = models.PositiveIntegerField(null=True, blank=True)
+
+    class Meta:
+        db_table = "workflow_signals"
+        ordering = ["created_at", "id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["run", "idempotency_key"], name="wf_signal_run_key_uniq"
+            ),
+        ]
+        indexes = [
+            # The poll's "oldest unconsumed signal of this name for this run".
+            models.Index(fields=["run", "name", "consumed_at", "id"], name="wf_signal_wait_idx"),
+        ]
+
+    def __str__(self) -> str:
+        state = "consumed" if self.consumed_at else "pending"
+        return f"signal {self.name!r} of run {self.run_id} ({state})"

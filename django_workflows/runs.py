@@ -145,9 +145,12 @@ class WaitingReason:
             pick the stage's job up), ``retry`` (the job waits out a retry back-off),
             ``executing`` (a worker holds the lease), ``poll`` (a suspended stage waits for its
             next completion check), ``approval`` (a suspended approval stage waits for a
-            human decision) or ``no_worker`` (no live worker serves the job's queue, or none
-            runs the run's definition version: "waiting for a worker with version X").
+            human decision), ``signal`` (a ``wait_for_signal`` stage waits for a signal;
+            ``at``: its timeout, ``None`` without one) or ``no_worker`` (no live worker serves
+            the job's queue, or none runs the run's definition version: "waiting for a worker
+            with version X").
         stage_id: the stage concerned (``None`` for ``claim``).
+        signal: the signal name a ``signal`` reason waits for, else ``None``.
         at: when it is due, if known (next poll, retry not-before time; aware datetime).
         message: one human sentence (no interface-specific hint: callers add their own).
         allowed_approvers: who may decide an ``approval`` (empty: anyone with the permission).
@@ -167,6 +170,7 @@ class WaitingReason:
     attempt: int | None = None
     max_attempts: int | None = None
     worker_id: str | None = None
+    signal: str | None = None
 
     @property
     def is_human(self) -> bool:
@@ -236,6 +240,7 @@ def waiting_reasons(
     from django.utils import timezone
 
     from .approval import APPROVAL_KIND
+    from .definition.signal import SIGNAL_WAIT_KIND
     from .models import TERMINAL_RUN_STATUSES, Status, WorkflowJob, WorkflowStage
 
     advertised: dict[str, set[str]] | None = None
@@ -307,6 +312,22 @@ def waiting_reasons(
                         at=stage.next_poll_at,
                         message=f"waiting for an approval decision{who}",
                         allowed_approvers=approvers,
+                    )
+                )
+            elif state.get("kind") == SIGNAL_WAIT_KIND:
+                name = str(state.get("signal") or "")
+                deadline = (
+                    f"timeout at {stage.max_wait_until.isoformat()}"
+                    if stage.max_wait_until is not None
+                    else "no timeout"
+                )
+                out.append(
+                    WaitingReason(
+                        "signal",
+                        stage.stage_id,
+                        at=stage.max_wait_until,
+                        message=f"waiting for signal {name!r} ({deadline})",
+                        signal=name,
                     )
                 )
             elif version_missing(run.workflow_id, run.definition_version):

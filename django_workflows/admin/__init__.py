@@ -10,6 +10,8 @@
   its own permission (the custom permissions the HTTP API uses).
 * Schedules (:mod:`.schedules`): next fire times, state, last run; pause, resume, trigger now
   and backfill, with the same confirmation / History / permission flow.
+* Signals (``send_signal``): a read-only list; a run's signals on its page and a "Send
+  signal" operation there.
 * Jobs, outbox events, logs, annotations and idempotency keys (:mod:`.records`): read-only
   lists with exact-match search and bounded filters.
 
@@ -25,6 +27,7 @@ from .records import (
     WorkflowAnnotationAdmin,
     WorkflowJobAdmin,
     WorkflowLogAdmin,
+    WorkflowSignalAdmin,
 )
 from .runs import WorkflowRunAdmin
 from .schedules import WorkflowScheduleAdmin
@@ -37,4 +40,5 @@ __all__ = [
     "WorkflowLogAdmin",
     "WorkflowRunAdmin",
     "WorkflowScheduleAdmin",
+    "WorkflowSignalAdmin",
 ]

@@ -40,6 +40,7 @@ PERMISSIONS: dict[str, str] = {
     "rerun": "rerun_workflowrun",
     "approve": "approve_workflowrun",
     "annotate": "annotate_workflowrun",
+    "signal": "add_workflowsignal",
     "replay": "replay_outboxevent",
     "skip": "skip_outboxevent",
     "pause": "pause_workflowschedule",
@@ -147,6 +148,42 @@ class AnnotateForm(forms.Form):
             return json.loads(text)
         except ValueError:
             return text
+
+
+class SignalForm(forms.Form):
+    """One signal: ``name``, ``payload`` (JSON; empty: null) and an optional idempotency
+    ``key``."""
+
+    name = forms.CharField(
+        label="Name", max_length=200, help_text="e.g. approved (letters, digits, '._:-')"
+    )
+    payload = forms.CharField(
+        label="Payload",
+        widget=forms.Textarea(attrs={"rows": 4, "cols": 60}),
+        required=False,
+        help_text='JSON, e.g. {"by": "alice"}; empty: null. At most 64 KiB.',
+        max_length=100_000,
+    )
+    key = forms.CharField(
+        label="Idempotency key",
+        max_length=255,
+        required=False,
+        help_text="optional: sending again with the same key stores nothing",
+    )
+
+    def __init__(self, *args: Any, names: list[str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if names and not self.is_bound:
+            self.fields["name"].initial = names[0]
+
+    def clean_payload(self) -> Any:
+        text = self.cleaned_data["payload"]
+        if not text.strip():
+            return None
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise forms.ValidationError(f"not JSON: {exc}") from None
 
 
 class NoteForm(forms.Form):

@@ -30,6 +30,7 @@ from ..models import (
     WorkflowAnnotation,
     WorkflowJob,
     WorkflowLog,
+    WorkflowSignal,
 )
 from .display import (
     ReadOnlyAdmin,
@@ -692,6 +693,57 @@ class WorkflowAnnotationAdmin(ExactSearch, ReadOnlyAdmin):
 
     @admin.display(description="payload")
     def payload_json(self, obj: WorkflowAnnotation) -> SafeString | str:
+        return pretty_json(obj.payload)
+
+
+# --- signals ----------------------------------------------------------------------------------
+
+
+@admin.register(WorkflowSignal)
+class WorkflowSignalAdmin(ExactSearch, ReadOnlyAdmin):
+    """Signals sent to runs (``send_signal``; docs/signals.md), pending and consumed."""
+
+    list_display = (
+        "created_at",
+        "name",
+        "short_payload",
+        "state",
+        "actor",
+        "run_link",
+        "consumed_stage_id",
+    )
+    search_fields = ("name",)  # get_search_results: exact matches only
+    search_help_text = "Search by exact name, actor, idempotency key or full run id."
+    ordering = ("-created_at", "-id")
+    fields = (
+        "created_at",
+        "run_link",
+        "name",
+        "payload_json",
+        "idempotency_key",
+        "actor",
+        "consumed_at",
+        "consumed_stage_id",
+        "consumed_generation",
+    )
+    readonly_fields = fields
+    exact_search_fields = ("name", "actor", "idempotency_key")
+    run_id_field = "run_id"
+
+    @admin.display(description="payload")
+    def short_payload(self, obj: WorkflowSignal) -> str:
+        return short_json(obj.payload)
+
+    @admin.display(description="state", ordering="consumed_at")
+    def state(self, obj: WorkflowSignal) -> str:
+        return "consumed" if obj.consumed_at is not None else "pending"
+
+    @admin.display(description="run", ordering="run_id")
+    def run_link(self, obj: WorkflowSignal) -> SafeString | str:
+        return run_link(obj.run_id)
+
+    @admin.display(description="payload")
+    def payload_json(self, obj: WorkflowSignal) -> SafeString | str:
         return pretty_json(obj.payload)
 
 

@@ -38,6 +38,7 @@ from .operations import (
     CancelForm,
     DecisionForm,
     RerunForm,
+    SignalForm,
     actor_of,
     has_operation_permission,
     log_operation,
@@ -72,6 +73,10 @@ class RunOperationsMixin:
 
     def has_annotate_permission(self, request: HttpRequest) -> bool:
         return has_operation_permission(request, "annotate")
+
+    def has_signal_permission(self, request: HttpRequest) -> bool:
+        """``add_workflowsignal`` (and ``view_workflowsignal``): send a signal to a run."""
+        return has_operation_permission(request, "signal")
 
     @admin.action(description="Cancel selected runs…", permissions=["cancel"])
     def cancel_runs(
@@ -208,6 +213,7 @@ class RunOperationsMixin:
             ("rerun", self.rerun_view),
             ("decide", self.decide_view),
             ("annotate", self.annotate_view),
+            ("signal", self.signal_view),
         )
         return [
             *(
@@ -449,6 +455,68 @@ class RunOperationsMixin:
             back_url=change_url,
             facts=[f"Written as actor user:{actor_of(request)}, with an annotation:created event."],
             submit="Attach",
+        )
+
+    def signal_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """Send a signal to the run as the user (``send_signal``, actor ``user:<name>``)."""
+        from ..signals import send_signal
+
+        if not self.has_signal_permission(request):
+            raise PermissionDenied
+        run = self._run_or_404(request, object_id)
+        change_url = self._change_url(run)
+        if run.is_terminal:
+            self.message_user(
+                request,
+                f"Run {run.pk} is {run.status}; a finished run takes no signals.",
+                messages.WARNING,
+            )
+            return HttpResponseRedirect(change_url)
+        waiting = [w for w in waiting_reasons(run) if w.reason == "signal"]
+        names = [w.signal for w in waiting if w.signal]
+        form = SignalForm(request.POST if request.method == "POST" else None, names=names)
+
+        def perform(data: dict[str, Any]) -> str:
+            result = send_signal(
+                run.pk,
+                data["name"],
+                data["payload"],
+                key=data["key"] or None,
+                actor=f"user:{actor_of(request)}",
+            )
+            if not result.stored:
+                return (
+                    f"Key {data['key']!r} was already used for signal {result.signal_id}; "
+                    "nothing was stored."
+                )
+            log_operation(
+                request,
+                run,
+                f"Sent signal {data['name']} (id {result.signal_id}) with payload "
+                f"{short_json(data['payload'], 200)}.",
+            )
+            woke = " A waiting stage takes it at the next tick." if result.woke else ""
+            return f"Stored signal {data['name']} (id {result.signal_id}).{woke}"
+
+        facts = [
+            f"Sent as actor user:{actor_of(request)}, with a signal:received event.",
+            *(f"Stage {w.stage_id} is {w.message}." for w in waiting),
+        ]
+        if not waiting:
+            facts.append(
+                "No stage waits for a signal right now: the signal is kept until one does."
+            )
+        return operation_page(
+            self,
+            request,
+            operation="signal",
+            obj=run,
+            title="Send a signal",
+            form=form,
+            perform=perform,
+            back_url=change_url,
+            facts=facts,
+            submit="Send",
         )
 
 

@@ -24,12 +24,14 @@ from ..models import (
     Status,
     WorkflowJob,
     WorkflowRun,
+    WorkflowSignal,
     WorkflowStage,
 )
 from ..runs import error_details, run_error, waiting_reasons
 from .display import (
     duration_display,
     format_duration_ms,
+    short_json,
     status_badge,
 )
 from .gantt import build_gantt
@@ -38,6 +40,9 @@ from .timeline import build_timeline
 
 #: Jobs shown on the run page (a run has one per stage and delivery).
 MAX_JOBS_SHOWN = 200
+
+#: Signals shown on the run page, newest first (the signal list has them all).
+MAX_SIGNALS_SHOWN = 50
 
 #: Timeline rows per source on one page of the run page (``?timeline_page=N`` for older).
 TIMELINE_PAGE = 200
@@ -120,6 +125,14 @@ class RunPageMixin:
             ],
             "dw_jobs_truncated": len(jobs) > MAX_JOBS_SHOWN,
             "dw_dead_letter": dead_letter,
+            "dw_signals": [
+                (sig, short_json(sig.payload, 120))
+                for sig in WorkflowSignal.objects.filter(run_id=run.pk).order_by(
+                    "-created_at", "-id"
+                )[:MAX_SIGNALS_SHOWN]
+            ],
+            "dw_signals_url": reverse("admin:django_workflows_workflowsignal_changelist")
+            + f"?run__id__exact={rid}",
             "dw_ops": [
                 (label, url(name), name)
                 for label, name, allowed in (
@@ -136,6 +149,7 @@ class RunPageMixin:
                         and self.has_rerun_permission(request),
                     ),
                     ("Annotate", "annotate", self.has_annotate_permission(request)),
+                    ("Send signal", "signal", active and self.has_signal_permission(request)),
                 )
                 if allowed
             ],

@@ -35,6 +35,7 @@ code                      status when
 ``idempotency_key_reused`` 409   the key answered a different request (another body/run)
 ``idempotency_in_progress`` 409  the same key is being processed right now
 ``run_state``             409    the run's status does not allow it (e.g. rerun of RUNNING)
+``run_terminal``          409    a signal sent to a COMPLETED, FAILED or CANCELLED run
 ``no_approval_waiting``   409    approve/reject while no approval stage waits
 ``approval_conflict``     409    the opposite decision was already recorded
 ``schedule_orphaned``     409    resume/trigger/backfill of a schedule whose definition is gone

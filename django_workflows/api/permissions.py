@@ -14,6 +14,8 @@ route                           permissions
 ``POST runs/{id}/approve|reject/`` ``approve_workflowrun``
 ``GET runs/{id}/annotations/``  ``view_workflowrun`` + ``view_workflowannotation``
 ``POST runs/{id}/annotations/`` ``annotate_workflowrun``
+``GET runs/{id}/signals/``      ``view_workflowrun`` + ``view_workflowsignal``
+``POST runs/{id}/signals/``     ``add_workflowsignal``
 ``GET runs/{id}/events/``       ``view_workflowrun`` + ``view_outboxevent``
 ``GET runs/{id}/logs/``         ``view_workflowrun`` + ``view_workflowlog``
 ``GET schedules/...``           ``view_workflowschedule``

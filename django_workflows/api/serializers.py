@@ -197,6 +197,24 @@ class CreateAnnotationSerializer(BodySerializer):
     emit_event = StrictBooleanField(required=False, default=False)
 
 
+class SendSignalSerializer(BodySerializer):
+    """``POST runs/{id}/signals/``; ``actor`` defaults to ``user:<the authenticated user>``."""
+
+    name = StrictCharField(
+        max_length=200, help_text="1-200 letters, digits or '._:-', starting with a letter or digit"
+    )
+    payload = serializers.JSONField(
+        required=False, allow_null=True, help_text="any JSON value, at most 64 KiB"
+    )
+    key = StrictCharField(
+        max_length=255,
+        required=False,
+        allow_null=True,
+        help_text="idempotency key, unique per run (or the Idempotency-Key header)",
+    )
+    actor = StrictCharField(max_length=200, required=False, allow_null=True)
+
+
 # --- query strings ----------------------------------------------------------------------------
 
 
@@ -416,7 +434,16 @@ class WaitingSerializer(serializers.Serializer):
     """Why the run is not moving right now (one entry per waiting stage)."""
 
     reason = serializers.ChoiceField(
-        choices=["claim", "job_queued", "no_worker", "retry", "executing", "poll", "approval"],
+        choices=[
+            "claim",
+            "job_queued",
+            "no_worker",
+            "retry",
+            "executing",
+            "poll",
+            "approval",
+            "signal",
+        ],
         help_text="no_worker: the stage's queue has no live worker (stage routing)",
     )
     stage_id = serializers.CharField(allow_null=True)
@@ -522,6 +549,30 @@ class AnnotationListSerializer(serializers.Serializer):
 class AttachResultSerializer(serializers.Serializer):
     created = serializers.IntegerField()
     duplicates = serializers.IntegerField(help_text="skipped: same (key, idempotency_key)")
+
+
+class SignalSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    name = serializers.CharField()
+    payload = serializers.JSONField(allow_null=True)
+    key = serializers.CharField(allow_null=True, help_text="the idempotency key, if given")
+    actor = serializers.CharField(allow_null=True)
+    created_at = serializers.DateTimeField()
+    consumed_at = serializers.DateTimeField(allow_null=True, help_text="null: not consumed yet")
+    consumed_stage_id = serializers.CharField(allow_null=True)
+    consumed_generation = serializers.IntegerField(allow_null=True)
+
+
+class SignalListSerializer(serializers.Serializer):
+    results = SignalSerializer(many=True)
+
+
+class SendSignalResultSerializer(serializers.Serializer):
+    workflow_run_id = serializers.UUIDField()
+    signal_id = serializers.IntegerField()
+    name = serializers.CharField()
+    stored = serializers.BooleanField(help_text="false: a duplicate key (nothing written)")
+    woke = serializers.BooleanField(help_text="true: a waiting stage was made due now")
 
 
 class EventSerializer(serializers.Serializer):

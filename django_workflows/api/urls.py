@@ -12,6 +12,7 @@ route                                      what
 ``POST runs/{id}/rerun/``                  rerun from a stage
 ``POST runs/{id}/approve/``, ``reject/``   decide the waiting approval
 ``GET|POST runs/{id}/annotations/``        list / attach annotations
+``GET|POST runs/{id}/signals/``            list / send signals
 ``GET runs/{id}/events/?after=&wait=``     events (long poll with ``wait``)
 ``GET runs/{id}/logs/``                    log lines
 ``GET schedules/``, ``schedules/{name}/``   schedules, one schedule with its next times
@@ -55,6 +56,7 @@ urlpatterns = [
         views.RunAnnotationsView.as_view(),
         name="run-annotations",
     ),
+    path("runs/<str:run_id>/signals/", views.RunSignalsView.as_view(), name="run-signals"),
     path(
         "runs/<str:run_id>/events/",
         transaction.non_atomic_requests(views.RunEventsView.as_view()),

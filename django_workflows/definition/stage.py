@@ -217,6 +217,9 @@ class Stage:
         when: ``None``, or a predicate ``fn(ctx) -> bool`` / a
             :class:`~.conditions.Condition` deciding whether the stage runs wherever it is
             placed (see ``docs/conditions.md``); a ``when=`` given to the builder wins.
+        signal: ``None``, or the :class:`~django_workflows.definition.signal.SignalWait` of a
+            stage made by :func:`~django_workflows.wait_for_signal` (the poller consumes a
+            signal instead of calling ``check_completion``).
     """
 
     id: str
@@ -235,6 +238,7 @@ class Stage:
     timeout_seconds: float | None = None
     queue_timeout_seconds: float | None = None
     when: Any = None
+    signal: Any = None
     _defaults: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:

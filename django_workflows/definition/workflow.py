@@ -462,6 +462,12 @@ class Workflow:
                             if node.map is not None
                             else {}
                         ),
+                        # only when used: every other workflow keeps its fingerprint
+                        **(
+                            {"signal": node.stage.signal.fingerprint_material()}
+                            if node.stage.signal is not None
+                            else {}
+                        ),
                     }
                     for node in group
                 ]
@@ -484,7 +490,9 @@ class Workflow:
         """The definition as stored once per version (``WorkflowDefinitionVersion.structure``)
         for the admin's view of a run: ``{"name", "groups": [[{"id", "name", "kind",
         "queue"}, ...], ...]}``; a conditional stage adds ``"when": {"predicate", "reason"}``
-        and a stage of a branch block ``"branch": {"id", "chooser", "branches", "name"}``.
+        and a stage of a branch block ``"branch": {"id", "chooser", "branches", "name"}``;
+        a ``wait_for_signal`` stage also has ``"signal"``
+        (:meth:`~django_workflows.definition.signal.SignalWait.structure`).
         """
         return {
             "name": self.name,
@@ -497,6 +505,11 @@ class Workflow:
                         "queue": node.stage.queue,
                         **_placement(node),
                         **({"map": node.map.describe()} if node.map is not None else {}),
+                        **(
+                            {"signal": node.stage.signal.structure()}
+                            if node.stage.signal is not None
+                            else {}
+                        ),
                     }
                     for node in group
                 ]

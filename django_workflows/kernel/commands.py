@@ -500,6 +500,57 @@ class BackfillScheduleResult(Result):
     existing: int = 0
 
 
+# --- run.signal (issue 18 item 4) ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SendSignal:
+    """Store a named signal for a run (:func:`django_workflows.send_signal`).
+
+    Attributes:
+        workflow_run_id: the run (UUID or its string).
+        name: 1-200 characters: letters, digits and ``._:-`` (no spaces).
+        payload: any JSON value (``None`` allowed), at most ``MAX_SIGNAL_PAYLOAD_BYTES`` bytes
+            as compact JSON.
+        key: the signal's idempotency key, unique per run (at most 255 characters): a repeated
+            send with the same key stores nothing and answers ``stored=False`` (also once the
+            run has finished).
+        actor: who sent it (free text, at most 200 characters, e.g. ``"user:alice"``).
+
+    One transaction that locks the run row: the signal row, the ``signal:received`` outbox
+    event, and - when a ``wait_for_signal`` stage of the run is waiting for ``name`` - that
+    stage's ``next_poll_at`` set to now (the ticker is woken after commit).
+
+    Raises (from dispatch): ``InvalidCommandError`` (field ``name``, ``payload``, ``key`` or
+    ``actor``), ``RunNotFoundError``, ``RunTerminalError`` (the run is COMPLETED, FAILED or
+    CANCELLED); nothing is written then.
+    """
+
+    type: ClassVar[str] = "run.signal"
+    workflow_run_id: Any
+    name: str
+    payload: Any = None
+    key: str | None = None
+    actor: str | None = None
+
+
+@dataclass
+class SendSignalResult(Result):
+    """``stored``: ``False`` when ``key`` was used before for this run (a duplicate: the first
+    signal's ``signal_id`` is returned and nothing was written). ``woke``: a waiting stage was
+    made due now."""
+
+    workflow_run_id: str
+    signal_id: int
+    name: str
+    stored: bool
+    woke: bool = False
+
+    @property
+    def duplicate(self) -> bool:
+        return not self.stored
+
+
 Command = (
     CreateRun
     | ClaimPendingRuns
@@ -517,4 +568,5 @@ Command = (
     | TriggerSchedule
     | BackfillSchedule
     | SkipDeadLetter
+    | SendSignal
 )

@@ -100,6 +100,19 @@ class RunStateError(WorkflowError):
     """The run is in a state that does not allow the command (e.g. rerun of a RUNNING run)."""
 
 
+class RunTerminalError(RunStateError):
+    """The run is COMPLETED, FAILED or CANCELLED: it takes no more signals (``run.signal``).
+
+    Attributes:
+        run_id: the run; status: its status.
+    """
+
+    def __init__(self, run_id: object, status: str) -> None:
+        super().__init__(f"Workflow run {run_id} is {status}; a finished run takes no signals")
+        self.run_id = run_id
+        self.status = status
+
+
 class OutboxEventNotFoundError(WorkflowError, LookupError):
     """No outbox event with this id exists (``outbox.skipDeadLetter``)."""
 

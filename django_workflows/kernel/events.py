@@ -29,6 +29,7 @@ ANNOTATION_CREATED = "annotation:created"
 MAP_STARTED = "map:started"
 #: A map item failed for good: ``stage_id``, ``item_index``, ``error``.
 MAP_ITEM_FAILED = "map:item_failed"
+SIGNAL_RECEIVED = "signal:received"
 
 EVENT_TYPES = (
     WORKFLOW_CREATED,
@@ -47,6 +48,7 @@ EVENT_TYPES = (
     ANNOTATION_CREATED,
     MAP_STARTED,
     MAP_ITEM_FAILED,
+    SIGNAL_RECEIVED,
 )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -18,7 +18,7 @@ from django.db.models import Min
 from ..definition.registry import WorkflowRegistry
 from ..definition.stage import Stage
 from ..definition.workflow import Workflow
-from ..kernel.commands import AnnotationSpec, CreateRun
+from ..kernel.commands import AnnotationSpec, CreateRun, SendSignal
 from ..kernel.dispatch import Kernel
 from ..kernel.executor import ExecutionInput, ExecutionOutcome, Executor, LocalExecutor
 from ..kernel.hosting import process_available_jobs, run_maintenance_tick
@@ -389,6 +389,7 @@ def run_workflow(
     clock: FakeClock | None = None,
     priority: int = 5,
     annotations: tuple[AnnotationSpec, ...] | list[AnnotationSpec] = (),
+    signals: Sequence[tuple[Any, ...]] = (),
 ) -> WorkflowResult:
     """Create a run of ``workflow``, drive it in-process to a terminal state and return a
     :class:`WorkflowResult`. Works under a plain ``@pytest.mark.django_db``.
@@ -406,6 +407,9 @@ def run_workflow(
             ``clock``); ``workflow`` is added to its registry if it is not there.
         clock: the fake clock of the default kernel.
         priority, annotations: as for ``start_run``.
+        signals: ``[(name, payload), ...]`` (or ``(name, payload, key)``) sent with
+            ``send_signal`` right after the run is created, in order, before it is driven:
+            buffered until its ``wait_for_signal`` stages consume them (docs/signals.md).
 
     Raises:
         TypeError: ``workflow`` is not a built workflow.
@@ -439,6 +443,9 @@ def run_workflow(
                     annotations=tuple(annotations),
                 )
             ).workflow_run_id
+            for item in signals:
+                name, payload, *rest = item
+                kernel.dispatch(SendSignal(run_id, name, payload, key=rest[0] if rest else None))
             run = run_to_completion(
                 kernel, run_id, max_rounds=max_rounds, advance_seconds=advance_seconds
             )

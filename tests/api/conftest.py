@@ -41,6 +41,8 @@ ALL_PERMS = (
     "view_workflowannotation",
     "view_outboxevent",
     "view_workflowlog",
+    "view_workflowsignal",
+    "add_workflowsignal",
 )
 
 

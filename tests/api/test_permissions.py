@@ -28,6 +28,8 @@ ROUTES = [
     ("post", "runs/{run}/reject/", {}, ["approve_workflowrun"]),
     ("get", "runs/{run}/annotations/", None, ["view_workflowrun", "view_workflowannotation"]),
     ("post", "runs/{run}/annotations/", {"attributes": {"acme.x": 1}}, ["annotate_workflowrun"]),
+    ("get", "runs/{run}/signals/", None, ["view_workflowrun", "view_workflowsignal"]),
+    ("post", "runs/{run}/signals/", {"name": "go"}, ["add_workflowsignal"]),
     ("get", "runs/{run}/events/", None, ["view_workflowrun", "view_outboxevent"]),
     ("get", "runs/{run}/logs/", None, ["view_workflowrun", "view_workflowlog"]),
 ]

@@ -22,7 +22,7 @@ from .base import (
 )
 from .dead_letters import DeadLetterListView, DeadLetterReplayView, DeadLetterSkipView
 from .definitions import DefinitionDetailView, DefinitionListView, definition_document
-from .run_records import RunAnnotationsView, RunEventsView, RunLogsView
+from .run_records import RunAnnotationsView, RunEventsView, RunLogsView, RunSignalsView
 from .runs import (
     RunApproveView,
     RunCancelView,
@@ -59,6 +59,7 @@ __all__ = [
     "RunLogsView",
     "RunRejectView",
     "RunRerunView",
+    "RunSignalsView",
     "ScheduleBackfillView",
     "ScheduleDetailView",
     "ScheduleListView",

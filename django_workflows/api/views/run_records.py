@@ -1,4 +1,5 @@
-"""A run's records: ``annotations/`` (list, attach), ``events/`` (long poll), ``logs/``."""
+"""A run's records: ``annotations/`` (list, attach), ``signals/`` (list, send), ``events/``
+(long poll), ``logs/``."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import uuid
 from typing import Any
 
 from django.db import InterfaceError, OperationalError, connection
-from drf_spectacular.utils import OpenApiResponse
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
 from rest_framework import status as http
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from ...conf import workflow_settings
 from ...kernel.errors import (
+    RunTerminalError,
     WorkflowError,
 )
 from ...kernel.runtime import get_kernel
@@ -23,7 +25,7 @@ from ...models import (
     WorkflowRun,
 )
 from .. import serializers as s
-from ..errors import kernel_error
+from ..errors import APIError, Conflict, kernel_error
 from .base import (
     _BODY_ERRORS,
     WorkflowsAPIView,
@@ -31,6 +33,88 @@ from .base import (
     document,
     get_run,
 )
+from .runs import IDEMPOTENCY_KEY_SCHEMA, header_idempotency_key
+
+
+class RunSignalsView(WorkflowsAPIView):
+    """``GET``: the run's signals, oldest first; ``POST``: send one (``send_signal``)."""
+
+    required_permissions = {
+        "GET": ["view_workflowrun", "view_workflowsignal"],
+        "POST": ["add_workflowsignal"],
+    }
+
+    @property
+    def throttle_scope(self) -> str:  # type: ignore[override]
+        return "write" if self.request.method == "POST" else "read"
+
+    @document(
+        run=True,
+        operation_id="runs_signals_list",
+        summary="The run's signals, oldest first (pending and consumed)",
+        responses={200: s.SignalListSerializer, **_errors(400, 404)},
+    )
+    def get(self, request: Request, run_id: str) -> Response:
+        from ...signals import list_signals
+
+        run = get_run(run_id, "id")
+        data = [r.to_json() for r in list_signals(run.pk, limit=1000)]
+        return Response(s.SignalListSerializer({"results": data}).data)
+
+    @document(
+        run=True,
+        operation_id="runs_signals_create",
+        summary="Send a signal to the run (actor: the current user unless given)",
+        request=s.SendSignalSerializer,
+        parameters=[
+            OpenApiParameter(
+                "Idempotency-Key",
+                IDEMPOTENCY_KEY_SCHEMA,
+                OpenApiParameter.HEADER,
+                description="the signal's idempotency key (as the body's key): a repeat "
+                "stores nothing and answers 200 with stored=false",
+            )
+        ],
+        responses={
+            201: s.SendSignalResultSerializer,
+            200: OpenApiResponse(
+                s.SendSignalResultSerializer, description="duplicate key: nothing stored"
+            ),
+            **_errors(*_BODY_ERRORS, 404, 409),
+        },
+    )
+    def post(self, request: Request, run_id: str) -> Response:
+        from ...signals import send_signal
+
+        run = get_run(run_id, "id")
+        body = self.body(s.SendSignalSerializer)
+        header = header_idempotency_key(request)
+        key = body.get("key")
+        if header is not None and key is not None and header != key:
+            message = "key: differs from the Idempotency-Key header (give one, or the same)"
+            raise APIError(message, code="invalid", errors={"key": [message]})
+        actor = body.get("actor") or f"user:{request.user.get_username() or request.user.pk}"
+        try:
+            result = send_signal(
+                run.pk, body["name"], body.get("payload"), key=key or header, actor=actor
+            )
+        except RunTerminalError as exc:
+            raise Conflict(str(exc), code="run_terminal") from None
+        except WorkflowError as exc:
+            raise kernel_error(exc) from None
+        code = http.HTTP_201_CREATED if result.stored else http.HTTP_200_OK
+        return Response(
+            s.SendSignalResultSerializer(
+                {
+                    "workflow_run_id": result.workflow_run_id,
+                    "signal_id": result.signal_id,
+                    "name": result.name,
+                    "stored": result.stored,
+                    "woke": result.woke,
+                }
+            ).data,
+            status=code,
+        )
 
 
 class RunAnnotationsView(WorkflowsAPIView):

@@ -178,20 +178,30 @@ class RunListView(WorkflowsAPIView):
         return Response(data, status=code, headers={"Location": data["url"]})
 
     def idempotency_key(self) -> str | None:
-        raw = self.request.headers.get("Idempotency-Key")
-        if raw is None:
-            return None
-        problem = None
-        if not raw.strip():
-            problem = "must not be empty"
-        elif len(raw) > 255:
-            problem = "at most 255 characters"
-        elif any(ord(ch) < 32 or ord(ch) > 126 for ch in raw):
-            problem = "printable ASCII only"
-        if problem:
-            message = f"Idempotency-Key: {problem}"
-            raise APIError(message, code="invalid", errors={"Idempotency-Key": [message]})
-        return raw
+        return header_idempotency_key(self.request)
+
+
+def header_idempotency_key(request: Request) -> str | None:
+    """The request's ``Idempotency-Key`` header (``None`` when absent).
+
+    Raises:
+        APIError: 400 ``invalid`` naming the header: empty, longer than 255 characters or
+            not printable ASCII.
+    """
+    raw = request.headers.get("Idempotency-Key")
+    if raw is None:
+        return None
+    problem = None
+    if not raw.strip():
+        problem = "must not be empty"
+    elif len(raw) > 255:
+        problem = "at most 255 characters"
+    elif any(ord(ch) < 32 or ord(ch) > 126 for ch in raw):
+        problem = "printable ASCII only"
+    if problem:
+        message = f"Idempotency-Key: {problem}"
+        raise APIError(message, code="invalid", errors={"Idempotency-Key": [message]})
+    return raw
 
 
 def _envelope(data: dict[str, Any]) -> dict[str, Any]:
@@ -214,6 +224,8 @@ def _waiting(
         if w.reason == "approval":
             who = f" by one of {', '.join(w.allowed_approvers)}" if w.allowed_approvers else ""
             message = f"waiting for a decision (POST approve/ or reject/){who}"
+        elif w.reason == "signal":
+            message = f"{message}; POST signals/ with name {w.signal!r}"
         out.append(
             {
                 "reason": w.reason,

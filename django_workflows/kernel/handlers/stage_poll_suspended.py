@@ -31,8 +31,9 @@ from ...blobs import output_key
 from ...conf import workflow_settings
 from ...definition.context import CompletionContext
 from ...definition.results import UNSET, CompletionCheck, StageFailed
+from ...definition.signal import SIGNAL_PAYLOAD_INVALID, SIGNAL_TIMEOUT, waited_signal
 from ...definition.stage import format_validation_error
-from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
+from ...models import Status, WorkflowJob, WorkflowRun, WorkflowSignal, WorkflowStage
 from .. import events as ev
 from ..commands import PollSuspendedStages, PollSuspendedStagesResult
 from ..errors import RunNotRunningError
@@ -88,6 +89,8 @@ def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
         return "cancelled"
     workflow = kernel.registry.get(run.workflow_id)
     stage = workflow.get_stage(record.stage_id) if workflow else None
+    if stage is not None and stage.signal is not None:
+        return _poll_signal(kernel, run, stage, record)
     if stage is None or stage.check_completion is None:
         if workflow is None:
             reason = f"Workflow {run.workflow_id!r} not found in registry"
@@ -140,6 +143,8 @@ def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
     annotations = ctx.annotations
 
     def apply(now: datetime, events: list[dict[str, Any]]) -> str:
+        if check.error or check.ready:
+            _consume_waited_signal(record, now)
         if check.error:
             outcome = _fail_both(record, check.error, now, events, failure_type)
         elif check.ready:
@@ -173,6 +178,98 @@ def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
             generation=record.generation,
         )
         return outcome
+
+    return _write(kernel, record, apply)
+
+
+def _consume_waited_signal(record: WorkflowStage, now: datetime) -> None:
+    """A stage whose state names a signal it waits for (an approval stage: its decision sends
+    ``approval.<stage id>``) consumes the oldest unconsumed one with its outcome, fenced
+    (``WHERE consumed_at IS NULL``), in this transaction. No such signal (a decision recorded
+    before approvals sent signals): nothing to consume. Other stages: no query.
+    """
+    name = waited_signal(record.suspended_state, record.stage_id)
+    if name is None:
+        return
+    found = (
+        WorkflowSignal.objects.filter(run_id=record.run_id, name=name, consumed_at__isnull=True)
+        .order_by("created_at", "id")
+        .values_list("id", flat=True)
+        .first()
+    )
+    if found is not None and not WorkflowSignal.objects.filter(
+        pk=found, consumed_at__isnull=True
+    ).update(
+        consumed_at=now,
+        consumed_by_id=record.pk,
+        consumed_stage_id=record.stage_id,
+        consumed_generation=record.generation,
+    ):
+        raise _Stale()
+
+
+def _poll_signal(kernel: Kernel, run: WorkflowRun, stage: Any, record: WorkflowStage) -> str:
+    """A ``wait_for_signal`` stage (issue 18 item 4), all in the claimed-run transaction.
+
+    The oldest unconsumed signal of the stage's name for the run is consumed by a fenced
+    update (``WHERE consumed_at IS NULL``; senders of the run wait for the run row we hold,
+    and a second poller's update finds it consumed -> stale, nothing written). Its payload,
+    validated by the stage's output model, is the stage's output; an invalid payload fails
+    stage and run (``SignalPayloadInvalid``), the signal stays consumed. No signal: past
+    ``max_wait_until`` the ``on_timeout`` behaviour; otherwise the next poll at the poll
+    interval, never later than the deadline.
+    """
+    spec = stage.signal
+
+    def apply(now: datetime, events: list[dict[str, Any]]) -> str:
+        found = (
+            WorkflowSignal.objects.filter(
+                run_id=record.run_id, name=spec.name, consumed_at__isnull=True
+            )
+            .order_by("created_at", "id")
+            .values_list("id", "payload")
+            .first()
+        )
+        if found is not None:
+            signal_id, payload = found
+            claimed = WorkflowSignal.objects.filter(pk=signal_id, consumed_at__isnull=True).update(
+                consumed_at=now,
+                consumed_by_id=record.pk,
+                consumed_stage_id=record.stage_id,
+                consumed_generation=record.generation,
+            )
+            if not claimed:
+                raise _Stale()
+            try:
+                output = stage.parse_output(payload)
+            except ValidationError as exc:
+                return _fail_both(
+                    record,
+                    f"Signal {spec.name!r} (id {signal_id}) has an invalid payload for stage "
+                    f"{record.stage_id!r}: {format_validation_error(exc)}",
+                    now,
+                    events,
+                    SIGNAL_PAYLOAD_INVALID,
+                )
+            check = CompletionCheck.done(output, metrics={"signal_id": signal_id})
+            return _resume(kernel, run, stage, record, check, now, events)
+        if record.max_wait_until is not None and record.max_wait_until <= now:
+            if spec.on_timeout == "complete":
+                check = CompletionCheck.done(spec.timeout_output, metrics={"signal_timeout": 1})
+                return _resume(kernel, run, stage, record, check, now, events)
+            return _fail_both(
+                record,
+                f"Stage {record.stage_id!r} got no signal {spec.name!r} before its timeout "
+                f"({record.max_wait_until.isoformat()})",
+                now,
+                events,
+                SIGNAL_TIMEOUT,
+            )
+        next_poll = now + timedelta(seconds=spec.poll_interval_seconds)
+        if record.max_wait_until is not None:
+            next_poll = min(next_poll, record.max_wait_until)
+        _update_suspended(record, now, next_poll_at=next_poll)
+        return "rescheduled"
 
     return _write(kernel, record, apply)
 

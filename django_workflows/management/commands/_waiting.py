@@ -5,6 +5,7 @@ outside look sees: no live worker at all, or a worker that stopped renewing its 
 
 * ``approval``: ``python manage.py workflows_approve <run id>`` (or ``workflows_reject``);
   ``--stage <id>`` when several approvals wait.
+* ``signal``: ``python manage.py workflows_signal <run id> <name> --payload '<JSON>'``.
 * ``no_worker`` (no live worker serves the job's queue): ``python manage.py qcluster`` for the
   ``default`` queue, ``python manage.py workflows_worker --queue <q>`` for another; a version
   no live worker runs has no command (deploy workers of that version).
@@ -36,8 +37,9 @@ class CliWaiting:
 
     Attributes:
         reason: a :class:`~django_workflows.runs.WaitingReason` reason (``claim``,
-            ``job_queued``, ``retry``, ``executing``, ``poll``, ``approval``, ``no_worker``)
-            or ``stale_lease`` (the worker holding the stage stopped renewing its lease).
+            ``job_queued``, ``retry``, ``executing``, ``poll``, ``approval``, ``signal``,
+            ``no_worker``) or ``stale_lease`` (the worker holding the stage stopped renewing
+            its lease).
         stage_id: the stage concerned (``None`` for a PENDING run).
         message: one sentence (``"waiting for an approval decision"``).
         command: the command that unblocks it, or ``None``.
@@ -135,6 +137,14 @@ def _explained(
             reason.message,
             f"python manage.py workflows_approve {run.pk}{stage} "
             f"(or workflows_reject {run.pk}{stage} --reason ...)",
+            reason.at,
+        )
+    if reason.reason == "signal":
+        return CliWaiting(
+            "signal",
+            reason.stage_id,
+            reason.message,
+            f"python manage.py workflows_signal {run.pk} {reason.signal} --payload '<JSON>'",
             reason.at,
         )
     if reason.reason == "claim" and not live_queues():

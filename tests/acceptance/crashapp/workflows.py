@@ -14,6 +14,8 @@ straight through.
   ``always``, overruns: a ``time.sleep`` loop, a sleep in C, a loop that asks
   ``ctx.is_cancelled()`` and ignores it, or one that returns a late result once cancelled) ->
   after; run by the stage timeout tests.
+* ``signal-pipeline``: approved (``wait_for_signal``, payload ``Approval``) -> book (returns the
+  payload); run by the signal acceptance test.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from django_workflows import (
     define_workflow,
     register,
     stage,
+    wait_for_signal,
 )
 
 
@@ -274,5 +277,25 @@ timeout_pipeline = register(
     define_workflow(id="timeout-pipeline", name="Timeouts: overrunning stage", input=TimeoutInput)
     .pipe(timed)
     .pipe(after)
+    .build()
+)
+
+
+# --- signals (issue 18 item 4) ----------------------------------------------------------------
+
+
+class Approval(BaseModel):
+    by: str
+    amount: int
+
+
+def booked(ctx: StageContext[Approval, Any]) -> Approval:
+    return ctx.input
+
+
+signal_pipeline = register(
+    define_workflow(id="signal-pipeline", name="Signals: wait for 'approved'")
+    .pipe(wait_for_signal(id="approved", payload=Approval, timeout_seconds=120))
+    .pipe(stage(id="book", input=Approval, output=Approval)(booked))
     .build()
 )
