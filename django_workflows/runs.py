@@ -142,8 +142,10 @@ class WaitingReason:
             pick the stage's job up), ``retry`` (the job waits out a retry back-off),
             ``executing`` (a worker holds the lease), ``poll`` (a suspended stage waits for its
             next completion check), ``approval`` (a suspended approval stage waits for a
-            human decision) or ``no_worker`` (no live worker serves the job's queue, or none
-            runs the run's definition version: "waiting for a worker with version X").
+            human decision), ``child`` (a child-workflow stage waits for its child run:
+            "waiting for child run <id> (RUNNING, stage x)") or ``no_worker`` (no live
+            worker serves the job's queue, or none runs the run's definition version:
+            "waiting for a worker with version X").
         stage_id: the stage concerned (``None`` for ``claim``).
         at: when it is due, if known (next poll, retry not-before time; aware datetime).
         message: one human sentence (no interface-specific hint: callers add their own).
@@ -153,6 +155,7 @@ class WaitingReason:
         attempt: the job's delivery count so far (``retry``), else ``None``.
         max_attempts: the job's delivery limit (``retry``), else ``None``.
         worker_id: the worker holding the lease (``executing``), else ``None``.
+        child_run_id: the child run (``child``), else ``None``.
     """
 
     reason: str
@@ -164,6 +167,7 @@ class WaitingReason:
     attempt: int | None = None
     max_attempts: int | None = None
     worker_id: str | None = None
+    child_run_id: str | None = None
 
     @property
     def is_human(self) -> bool:
@@ -192,6 +196,36 @@ def queued_ahead(job: WorkflowJob, cap: int = MAX_QUEUED_AHEAD) -> int:
         .values("pk")[:cap]
     )
     return WorkflowJob.objects.filter(pk__in=ids).count()
+
+
+def _child_reason(stage: WorkflowStage, state: dict[str, Any]) -> WaitingReason:
+    """``child``: a child-workflow stage waits for its child run (issue 18 item 5): "waiting
+    for child run <id> (RUNNING, stage x)" - two reads, for child stages only."""
+    from .models import ACTIVE_STAGE_STATUSES, WorkflowRun, WorkflowStage
+
+    child_id = state.get("child_run_id")
+    status = (
+        WorkflowRun.objects.filter(pk=child_id).values_list("status", flat=True).first()
+        if child_id
+        else None
+    )
+    if status is None:
+        return WaitingReason(
+            "child", stage.stage_id, at=stage.next_poll_at, message="waiting for its child run"
+        )
+    open_stages = list(
+        WorkflowStage.objects.filter(run_id=child_id, status__in=ACTIVE_STAGE_STATUSES)
+        .order_by("stage_number")
+        .values_list("stage_id", flat=True)[:3]
+    )
+    where = f", stage {', '.join(open_stages)}" if open_stages else ""
+    return WaitingReason(
+        "child",
+        stage.stage_id,
+        at=stage.next_poll_at,
+        message=f"waiting for child run {child_id} ({status}{where})",
+        child_run_id=str(child_id),
+    )
 
 
 def waiting_reasons(
@@ -233,6 +267,7 @@ def waiting_reasons(
     from django.utils import timezone
 
     from .approval import APPROVAL_KIND
+    from .children import CHILD_KIND
     from .models import TERMINAL_RUN_STATUSES, Status, WorkflowJob, WorkflowStage
 
     advertised: dict[str, set[str]] | None = None
@@ -306,6 +341,8 @@ def waiting_reasons(
                         allowed_approvers=approvers,
                     )
                 )
+            elif state.get("kind") == CHILD_KIND:
+                out.append(_child_reason(stage, state))
             elif version_missing(run.workflow_id, run.definition_version):
                 from .kernel.versions import describe_missing_version
 

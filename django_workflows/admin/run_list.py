@@ -123,6 +123,23 @@ class CreatedFilter(admin.SimpleListFilter):
         return None
 
 
+class ParentFilter(admin.SimpleListFilter):
+    """Child runs (started by a child-workflow stage) or top-level runs (issue 18 item 5)."""
+
+    title = "parent"
+    parameter_name = "has_parent"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("yes", "Child runs"), ("no", "Top-level runs")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        if self.value() == "yes":
+            return queryset.filter(parent_run_id__isnull=False)
+        if self.value() == "no":
+            return queryset.filter(parent_run_id__isnull=True)
+        return None
+
+
 class RunChangeList(ChangeList):
     """Attaches to the page's runs their stage counts and waiting reasons: two queries for the
     whole page (stages of the page's runs; open jobs of its active runs)."""

@@ -16,6 +16,7 @@ from django.db import transaction
 from ...definition.stage import Stage
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import timeouts
+from ..children import start_child
 from ..connections import retry_on_disconnect
 from ..executor import ExecutionOutcome
 from ..faults import fault_point
@@ -96,6 +97,9 @@ def _outcome_transaction(
                 raise _Discard()  # not ours any more either: a stale delivery
             return Outcome("ghost", error=error)
         now = kernel.clock.now()
+        if outcome.suspend is not None and d.node.stage.child is not None:
+            # A child-workflow stage: its child run commits with this outcome or not at all.
+            start_child(kernel, run, d.record, d.node.stage, outcome)
         result = _settle_job(kernel, job, outcome, d.node.stage)
         if result is None:
             raise _Discard()

@@ -5,6 +5,7 @@ outside look sees: no live worker at all, or a worker that stopped renewing its 
 
 * ``approval``: ``python manage.py workflows_approve <run id>`` (or ``workflows_reject``);
   ``--stage <id>`` when several approvals wait.
+* ``child``: ``python manage.py workflows_status <child run id>`` (what the child waits for).
 * ``no_worker`` (no live worker serves the job's queue): ``python manage.py qcluster`` for the
   ``default`` queue, ``python manage.py workflows_worker --queue <q>`` for another; a version
   no live worker runs has no command (deploy workers of that version).
@@ -135,6 +136,14 @@ def _explained(
             reason.message,
             f"python manage.py workflows_approve {run.pk}{stage} "
             f"(or workflows_reject {run.pk}{stage} --reason ...)",
+            reason.at,
+        )
+    if reason.reason == "child" and reason.child_run_id:
+        return CliWaiting(
+            "child",
+            reason.stage_id,
+            reason.message,
+            f"python manage.py workflows_status {reason.child_run_id}",
             reason.at,
         )
     if reason.reason == "claim" and not live_queues():
