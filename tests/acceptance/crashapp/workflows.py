@@ -14,6 +14,8 @@ straight through.
   ``always``, overruns: a ``time.sleep`` loop, a sleep in C, a loop that asks
   ``ctx.is_cancelled()`` and ignores it, or one that returns a late result once cancelled) ->
   after; run by the stage timeout tests.
+* ``family-parent``: kid (a child-workflow stage running ``family-child``: one stage sleeping
+  a few random milliseconds) -> done; run by the child cancel race test.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from django_workflows import (
     register,
     stage,
 )
+from django_workflows.children import child_workflow
 
 
 def crash_dir() -> Path:
@@ -274,5 +277,51 @@ timeout_pipeline = register(
     define_workflow(id="timeout-pipeline", name="Timeouts: overrunning stage", input=TimeoutInput)
     .pipe(timed)
     .pipe(after)
+    .build()
+)
+
+
+# --- family-parent / family-child --------------------------------------------------------------
+
+
+class FamilyInput(BaseModel):
+    seed: int
+
+
+class FamilyOut(BaseModel):
+    seed: int
+    value: int
+
+
+@stage(id="work", input=FamilyInput, output=FamilyOut)
+def family_work(ctx: StageContext[FamilyInput, Any]) -> FamilyOut:
+    rng = random.Random(ctx.input.seed)
+    time.sleep(rng.uniform(0.0, 0.4))
+    return FamilyOut(seed=ctx.input.seed, value=ctx.input.seed * 7)
+
+
+family_child = register(
+    define_workflow(id="family-child", name="Child race: child", input=FamilyInput)
+    .pipe(family_work)
+    .build()
+)
+
+
+@stage(id="done", input=FamilyOut, output=FamilyOut)
+def family_done(ctx: StageContext[FamilyOut, Any]) -> FamilyOut:
+    return ctx.input
+
+
+family_parent = register(
+    define_workflow(id="family-parent", name="Child race: parent", input=FamilyInput)
+    .pipe(
+        child_workflow(
+            id="kid",
+            workflow=family_child,
+            input=lambda ctx: {"seed": ctx.input.seed},
+            stage_input=FamilyInput,
+        )
+    )
+    .pipe(family_done)
     .build()
 )
