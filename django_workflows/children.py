@@ -46,11 +46,9 @@ from .definition.stage import (
     validate_id,
 )
 from .definition.workflow import Workflow
+from .kernel.children import CHILD_KIND
 from .models import Status, WorkflowRun
 
-#: ``suspended_state["kind"]`` of a waiting child-workflow stage (also
-#: :data:`django_workflows.kernel.children.CHILD_KIND`).
-CHILD_KIND = "django_workflows.child"
 #: ``error_type`` of a parent stage whose child run FAILED.
 CHILD_FAILED = "ChildRunFailed"
 #: ``error_type`` of a parent stage whose child run was CANCELLED.

@@ -90,8 +90,9 @@ def start_child(
         except WorkflowError as exc:
             problem = str(exc)
         else:
+            # "input" stays: a retried outcome transaction (a lost connection) creates the
+            # child again from it, and its key returns the same child once one committed.
             state["child_run_id"] = created.workflow_run_id
-            state.pop("input", None)  # the child run keeps it
             return
     outcome.suspend = None
     outcome.error = (

@@ -14,9 +14,15 @@ from django_workflows import StageContext, define_stage, define_workflow
 from django_workflows.children import CHILD_CANCELLED, CHILD_FAILED, child_runs, child_workflow
 from django_workflows.definition.results import CompletionCheck, StageFailed, Suspend
 from django_workflows.definition.stage import WorkflowDefinitionError, define_async_batch_stage
-from django_workflows.kernel import CancelRun, CreateRun, RerunFrom
+from django_workflows.kernel import CancelRun, CreateRun, ReapStaleLeases, RerunFrom, faults
 from django_workflows.kernel.children import child_key
-from django_workflows.models import IdempotencyKey, Status, WorkflowRun, WorkflowStage
+from django_workflows.models import (
+    IdempotencyKey,
+    Status,
+    WorkflowJob,
+    WorkflowRun,
+    WorkflowStage,
+)
 from django_workflows.testing import drive, make_kernel, run_to_completion, run_workflow
 
 pytestmark = pytest.mark.django_db
@@ -226,3 +232,47 @@ def test_fingerprint_and_structure_change_only_for_child_stages() -> None:
     assert orders.structure()["groups"][1][0]["child"] == {"workflow_id": "shipping"}
     assert "child" not in orders.structure()["groups"][0][0]
     assert orders.fingerprint_material()["groups"][1][0]["child"] == "shipping"
+
+
+def test_a_redelivery_after_a_lost_outcome_creates_one_child() -> None:
+    """The outcome transaction of the first delivery dies before its commit (the child it
+    created rolls back with it); the lease is reaped and the second delivery starts the child:
+    one child in all, the parent completes with its output."""
+    kernel = make_kernel(orders)
+    run_id = kernel.dispatch(CreateRun(workflow_id="orders", input={"order_id": "R1"}))
+    run_id = run_id.workflow_run_id
+    calls: list[int] = []
+
+    def die_on_the_ship_outcome() -> None:
+        calls.append(1)
+        if len(calls) == 2:  # validate's outcome first, then ship's
+            assert WorkflowRun.objects.filter(parent_run_id=run_id).count() == 1
+            raise RuntimeError("worker died before COMMIT")
+
+    faults.inject("outcome.before_commit", die_on_the_ship_outcome)
+    try:
+        with pytest.raises(RuntimeError, match="worker died"):
+            drive(kernel, run_id, rounds=2, advance_seconds=0)
+    finally:
+        faults.inject("outcome.before_commit", None)
+    assert not WorkflowRun.objects.filter(parent_run_id=run_id).exists()  # rolled back
+    kernel.clock.advance(3600)
+    assert kernel.dispatch(ReapStaleLeases(stale_threshold_seconds=60)).released == 1
+    run = run_to_completion(kernel, run_id, advance_seconds=None)
+    assert run.status == Status.COMPLETED and run.output == {"tracking": "T-R1", "parcels": 1}
+    assert WorkflowRun.objects.filter(parent_run_id=run_id).count() == 1
+    ship_job = WorkflowJob.objects.get(workflow_run_id=run_id, stage_id="ship")
+    assert ship_job.attempt == 2
+
+
+def test_a_finishing_child_wakes_its_parent_at_once() -> None:
+    """No clock jump to the parent's 30 s poll interval: the child's COMPLETED transition makes
+    the parent stage due now, so the next tick completes the parent."""
+    kernel = make_kernel(orders)
+    run_id = kernel.dispatch(
+        CreateRun(workflow_id="orders", input={"order_id": "W1"})
+    ).workflow_run_id
+    start = kernel.clock.now()
+    run = run_to_completion(kernel, run_id, advance_seconds=0, max_rounds=6)
+    assert run.status == Status.COMPLETED
+    assert kernel.clock.now() == start  # never moved: woken, not polled
