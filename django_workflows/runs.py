@@ -198,12 +198,21 @@ def queued_ahead(job: WorkflowJob, cap: int = MAX_QUEUED_AHEAD) -> int:
     return WorkflowJob.objects.filter(pk__in=ids).count()
 
 
-def _child_reason(stage: WorkflowStage, state: dict[str, Any]) -> WaitingReason:
+def _child_reason(stage: WorkflowStage, state: dict[str, Any], details: bool) -> WaitingReason:
     """``child``: a child-workflow stage waits for its child run (issue 18 item 5): "waiting
-    for child run <id> (RUNNING, stage x)" - two reads, for child stages only."""
+    for child run <id> (RUNNING, stage x)" - two reads, for child stages only; without
+    ``details`` "waiting for child run <id>" and no read."""
     from .models import ACTIVE_STAGE_STATUSES, WorkflowRun, WorkflowStage
 
     child_id = state.get("child_run_id")
+    if child_id and not details:
+        return WaitingReason(
+            "child",
+            stage.stage_id,
+            at=stage.next_poll_at,
+            message=f"waiting for child run {child_id}",
+            child_run_id=str(child_id),
+        )
     status = (
         WorkflowRun.objects.filter(pk=child_id).values_list("status", flat=True).first()
         if child_id
@@ -237,6 +246,7 @@ def waiting_reasons(
     now: datetime | None = None,
     live_queues: Callable[[], set[str]] | None = None,
     live_versions: Callable[[], dict[str, set[str]]] | None = None,
+    child_details: bool = True,
 ) -> list[WaitingReason]:
     """Why ``run`` is where it is: one :class:`WaitingReason` per open stage, ``[]`` for a
     terminal run.
@@ -255,6 +265,9 @@ def waiting_reasons(
         live_versions: returns the definition versions live workers run (default:
             :func:`django_workflows.kernel.versions.live_versions` with the default kernel's
             lease clock, one query); memoised like ``live_queues``.
+        child_details: a child-workflow stage's reason reads its child run's status and open
+            stages (two queries per such stage); lists pass ``False`` for "waiting for child
+            run <id>" without a query.
 
     Used by the admin (list and run page), the HTTP API (``waiting``) and usable by the CLI.
     A ready job whose queue no live worker serves (stage routing) is ``no_worker``: "waiting
@@ -342,7 +355,7 @@ def waiting_reasons(
                     )
                 )
             elif state.get("kind") == CHILD_KIND:
-                out.append(_child_reason(stage, state))
+                out.append(_child_reason(stage, state, child_details))
             elif version_missing(run.workflow_id, run.definition_version):
                 from .kernel.versions import describe_missing_version
 

@@ -199,7 +199,12 @@ def attach_page_data(runs: list[WorkflowRun]) -> None:
         records = sorted(stages[run.pk], key=lambda s: (s.execution_group, s.stage_number))
         run.dw_progress = run_progress(run, records, structures=structures)
         run.dw_waiting = waiting_reasons(
-            run, records, jobs[run.pk], live_queues=live_queues, live_versions=live_versions
+            run,
+            records,
+            jobs[run.pk],
+            live_queues=live_queues,
+            live_versions=live_versions,
+            child_details=False,  # no query per row
         )
         run.dw_error = run_error(run, records) if run.status == Status.FAILED else None
 

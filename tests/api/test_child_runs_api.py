@@ -84,6 +84,7 @@ def test_admin_run_page_links_parent_and_children(admin_client: Any) -> None:
     assert child_link in only_children and parent_link not in only_children
     top = admin_client.get(changelist, {"has_parent": "no"}).content.decode()
     assert parent_link in top and child_link not in top
+    assert f"waiting for child run {child.pk}" in top  # the list's reason, read without a query
 
 
 def test_schema_documents_the_child_fields() -> None:
