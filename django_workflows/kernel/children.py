@@ -9,11 +9,12 @@ is :func:`django_workflows.children.child_workflow`).
   most one child. A child that cannot be created (unknown workflow, invalid input or config,
   nesting deeper than :data:`MAX_DEPTH`) fails the parent stage, not retried.
 * **Wake** (:func:`wake_parent`): a child run's end (COMPLETED or FAILED in
-  :mod:`.stage_path.transition`, CANCELLED in ``run.cancel``, FAILED by a completion check)
-  sets its parent stage's ``next_poll_at`` to now and wakes the ticker after commit, so the
-  parent's ``check_completion`` reads the child at the next tick. Runs without a parent pay
-  nothing: the check reads the locked row's ``parent_run_id``. Other ends (the stuck-run
-  reaper, exhausted deliveries) are seen at the parent's next regular poll.
+  :mod:`.stage_path.transition` - exhausted deliveries end there too -, CANCELLED in
+  ``run.cancel``, FAILED by a completion check, by the stuck-run reaper or at claim) sets its
+  parent stage's ``next_poll_at`` to now and wakes the ticker after commit, so the parent's
+  ``check_completion`` reads the child at the next tick. Runs without a parent pay nothing:
+  the check reads the locked row's ``parent_run_id``. The parent's regular poll
+  (``poll_interval_seconds``) is the fallback for a wake-up lost with its process.
 * **Cancel** (:func:`.handlers.run_cancel.cancel_children`): ``run.cancel`` of a parent
   cancels its non-terminal children first (their rows locked before the parent's stage rows
   are written, the order a child's wake takes too, so the two never deadlock), recursively, in
