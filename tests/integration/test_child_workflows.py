@@ -276,3 +276,19 @@ def test_a_finishing_child_wakes_its_parent_at_once() -> None:
     run = run_to_completion(kernel, run_id, advance_seconds=0, max_rounds=6)
     assert run.status == Status.COMPLETED
     assert kernel.clock.now() == start  # never moved: woken, not polled
+
+
+def test_a_parent_ended_another_way_has_its_child_cancelled_by_the_next_poll() -> None:
+    """A parent that left RUNNING without run.cancel (here: failed behind the engine's back,
+    as the stuck-run reaper would) gets its waiting child stage cancelled by the poll, and its
+    child run with it."""
+    kernel = make_kernel(slow_orders)
+    run_id, child = _start(kernel, "hold-3")
+    WorkflowRun.objects.filter(pk=run_id).update(status=Status.FAILED)
+    kernel.clock.advance(3600)  # past the parent stage's poll interval
+    drive(kernel, run_id, rounds=1)
+    child.refresh_from_db()
+    assert child.status == Status.CANCELLED
+    assert child.output["error"]["message"] == f"parent run {run_id} is no longer running"
+    stage = WorkflowStage.objects.get(run_id=run_id, stage_id="ship")
+    assert stage.status == Status.CANCELLED
