@@ -91,6 +91,14 @@ class WorkflowRun(models.Model):
     #: unversioned, any definition of the workflow may execute it. Also the database default,
     #: so rows inserted by code that predates the column (a rolling deploy) are unversioned.
     definition_version = models.CharField(max_length=64, default="", db_default="", blank=True)
+    #: The run whose stage started this run (issue 18 item 5, child workflows), or ``None`` for
+    #: a top-level run. A plain UUID, not a foreign key: purging a parent never blocks on, or
+    #: cascades into, its children.
+    parent_run_id = models.UUIDField(null=True, blank=True)
+    #: The id of the parent's stage that started this run (``None`` without a parent).
+    parent_stage_id = models.CharField(max_length=200, null=True, blank=True)
+    #: The rerun generation of that parent stage when it started this run.
+    parent_generation = models.IntegerField(null=True, blank=True)
 
     class Meta:
         db_table = "workflow_runs"
@@ -107,6 +115,8 @@ class WorkflowRun(models.Model):
             models.Index(
                 fields=["workflow_id", "created_at", "id"], name="wf_run_workflow_created_idx"
             ),
+            # A parent's children (cancel cascade, run page, ``?parent=``), newest first.
+            models.Index(fields=["parent_run_id", "created_at"], name="wf_run_parent_idx"),
         ]
         # Operator permissions shared by the HTTP API and the admin.
         permissions = [

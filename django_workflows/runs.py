@@ -146,9 +146,10 @@ class WaitingReason:
             ``executing`` (a worker holds the lease), ``poll`` (a suspended stage waits for its
             next completion check), ``approval`` (a suspended approval stage waits for a
             human decision), ``signal`` (a ``wait_for_signal`` stage waits for a signal;
-            ``at``: its timeout, ``None`` without one) or ``no_worker`` (no live worker serves
-            the job's queue, or none runs the run's definition version: "waiting for a worker
-            with version X").
+            ``at``: its timeout, ``None`` without one), ``child`` (a child-workflow stage waits
+            for its child run: "waiting for child run <id> (RUNNING, stage x)") or
+            ``no_worker`` (no live worker serves the job's queue, or none runs the run's
+            definition version: "waiting for a worker with version X").
         stage_id: the stage concerned (``None`` for ``claim``).
         signal: the signal name a ``signal`` reason waits for, else ``None``.
         at: when it is due, if known (next poll, retry not-before time; aware datetime).
@@ -159,6 +160,7 @@ class WaitingReason:
         attempt: the job's delivery count so far (``retry``), else ``None``.
         max_attempts: the job's delivery limit (``retry``), else ``None``.
         worker_id: the worker holding the lease (``executing``), else ``None``.
+        child_run_id: the child run (``child``), else ``None``.
     """
 
     reason: str
@@ -171,6 +173,7 @@ class WaitingReason:
     max_attempts: int | None = None
     worker_id: str | None = None
     signal: str | None = None
+    child_run_id: str | None = None
 
     @property
     def is_human(self) -> bool:
@@ -201,6 +204,45 @@ def queued_ahead(job: WorkflowJob, cap: int = MAX_QUEUED_AHEAD) -> int:
     return WorkflowJob.objects.filter(pk__in=ids).count()
 
 
+def _child_reason(stage: WorkflowStage, state: dict[str, Any], details: bool) -> WaitingReason:
+    """``child``: a child-workflow stage waits for its child run (issue 18 item 5): "waiting
+    for child run <id> (RUNNING, stage x)" - two reads, for child stages only; without
+    ``details`` "waiting for child run <id>" and no read."""
+    from .models import ACTIVE_STAGE_STATUSES, WorkflowRun, WorkflowStage
+
+    child_id = state.get("child_run_id")
+    if child_id and not details:
+        return WaitingReason(
+            "child",
+            stage.stage_id,
+            at=stage.next_poll_at,
+            message=f"waiting for child run {child_id}",
+            child_run_id=str(child_id),
+        )
+    status = (
+        WorkflowRun.objects.filter(pk=child_id).values_list("status", flat=True).first()
+        if child_id
+        else None
+    )
+    if status is None:
+        return WaitingReason(
+            "child", stage.stage_id, at=stage.next_poll_at, message="waiting for its child run"
+        )
+    open_stages = list(
+        WorkflowStage.objects.filter(run_id=child_id, status__in=ACTIVE_STAGE_STATUSES)
+        .order_by("stage_number")
+        .values_list("stage_id", flat=True)[:3]
+    )
+    where = f", stage {', '.join(open_stages)}" if open_stages else ""
+    return WaitingReason(
+        "child",
+        stage.stage_id,
+        at=stage.next_poll_at,
+        message=f"waiting for child run {child_id} ({status}{where})",
+        child_run_id=str(child_id),
+    )
+
+
 def waiting_reasons(
     run: WorkflowRun,
     stages: list[WorkflowStage] | None = None,
@@ -210,6 +252,7 @@ def waiting_reasons(
     now: datetime | None = None,
     live_queues: Callable[[], set[str]] | None = None,
     live_versions: Callable[[], dict[str, set[str]]] | None = None,
+    child_details: bool = True,
 ) -> list[WaitingReason]:
     """Why ``run`` is where it is: one :class:`WaitingReason` per open stage, ``[]`` for a
     terminal run.
@@ -228,6 +271,9 @@ def waiting_reasons(
         live_versions: returns the definition versions live workers run (default:
             :func:`django_workflows.kernel.versions.live_versions` with the default kernel's
             lease clock, one query); memoised like ``live_queues``.
+        child_details: a child-workflow stage's reason reads its child run's status and open
+            stages (two queries per such stage); lists pass ``False`` for "waiting for child
+            run <id>" without a query.
 
     Used by the admin (list and run page), the HTTP API (``waiting``) and usable by the CLI.
     A ready job whose queue no live worker serves (stage routing) is ``no_worker``: "waiting
@@ -241,6 +287,7 @@ def waiting_reasons(
 
     from .approval import APPROVAL_KIND
     from .definition.signal import SIGNAL_WAIT_KIND
+    from .children import CHILD_KIND
     from .models import TERMINAL_RUN_STATUSES, Status, WorkflowJob, WorkflowStage
 
     advertised: dict[str, set[str]] | None = None
@@ -330,6 +377,8 @@ def waiting_reasons(
                         signal=name,
                     )
                 )
+            elif state.get("kind") == CHILD_KIND:
+                out.append(_child_reason(stage, state, child_details))
             elif version_missing(run.workflow_id, run.definition_version):
                 from .kernel.versions import describe_missing_version
 

@@ -123,6 +123,23 @@ class CreatedFilter(admin.SimpleListFilter):
         return None
 
 
+class ParentFilter(admin.SimpleListFilter):
+    """Child runs (started by a child-workflow stage) or top-level runs (issue 18 item 5)."""
+
+    title = "parent"
+    parameter_name = "has_parent"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("yes", "Child runs"), ("no", "Top-level runs")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        if self.value() == "yes":
+            return queryset.filter(parent_run_id__isnull=False)
+        if self.value() == "no":
+            return queryset.filter(parent_run_id__isnull=True)
+        return None
+
+
 class RunChangeList(ChangeList):
     """Attaches to the page's runs their stage counts and waiting reasons: two queries for the
     whole page (stages of the page's runs; open jobs of its active runs)."""
@@ -182,7 +199,12 @@ def attach_page_data(runs: list[WorkflowRun]) -> None:
         records = sorted(stages[run.pk], key=lambda s: (s.execution_group, s.stage_number))
         run.dw_progress = run_progress(run, records, structures=structures)
         run.dw_waiting = waiting_reasons(
-            run, records, jobs[run.pk], live_queues=live_queues, live_versions=live_versions
+            run,
+            records,
+            jobs[run.pk],
+            live_queues=live_queues,
+            live_versions=live_versions,
+            child_details=False,  # no query per row
         )
         run.dw_error = run_error(run, records) if run.status == Status.FAILED else None
 

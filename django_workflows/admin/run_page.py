@@ -16,6 +16,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
+from ..children import child_runs
 from ..definition.registry import registry
 from ..kernel import timeouts
 from ..models import (
@@ -106,7 +107,24 @@ class RunPageMixin:
             return reverse(f"admin:{opts.app_label}_{opts.model_name}_{name}", args=[rid])
 
         active = not run.is_terminal
+        change = f"admin:{opts.app_label}_{opts.model_name}_change"
+        parent = (
+            {
+                "id": str(run.parent_run_id),
+                "stage_id": run.parent_stage_id,
+                "generation": run.parent_generation,
+                "url": reverse(change, args=[str(run.parent_run_id)]),
+            }
+            if run.parent_run_id
+            else None
+        )
+        children = [
+            {**c, "url": reverse(change, args=[c["id"]]), "badge": status_badge(c["status"])}
+            for c in child_runs(run.pk)
+        ]
         return {
+            "dw_parent": parent,
+            "dw_children": children,
             "dw_stages": stage_rows(run, stages),
             "dw_waiting": [(w, waiting_line(w)) for w in waiting],
             "dw_error": run_error(run, stages),

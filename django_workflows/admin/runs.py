@@ -53,6 +53,7 @@ from .display import (
 )
 from .run_list import (
     CreatedFilter,
+    ParentFilter,
     RunChangeList,
     RunStatusFilter,
     WaitingFilter,
@@ -88,7 +89,7 @@ class WorkflowRunAdmin(RunOperationsMixin, RunPageMixin, CappedPaginationMixin, 
         "created",
         "duration",
     )
-    list_filter = (RunStatusFilter, WaitingFilter, CreatedFilter, WorkflowFilter)
+    list_filter = (RunStatusFilter, WaitingFilter, CreatedFilter, WorkflowFilter, ParentFilter)
     search_fields = ()  # get_search_results: exact id, idempotency key, workflow id prefix
     search_help_text = (
         "Search by full run id, run.create idempotency key, or workflow id (or its start)."

@@ -234,6 +234,9 @@ class RunListQuerySerializer(QuerySerializer):
     workflow_id = StrictCharField(max_length=200, required=False)
     created_after = serializers.DateTimeField(required=False, help_text="created_at >= this")
     created_before = serializers.DateTimeField(required=False, help_text="created_at < this")
+    parent = serializers.UUIDField(
+        required=False, help_text="only the child runs of this run (child workflows)"
+    )
     key = StrictCharField(max_length=200, required=False, help_text="annotation key")
     value = StrictCharField(
         max_length=65_536,
@@ -443,13 +446,28 @@ class WaitingSerializer(serializers.Serializer):
             "poll",
             "approval",
             "signal",
+            "child",
         ],
-        help_text="no_worker: the stage's queue has no live worker (stage routing)",
+        help_text="no_worker: the stage's queue has no live worker (stage routing); child: a "
+        "child-workflow stage waits for its child run",
     )
     stage_id = serializers.CharField(allow_null=True)
     at = serializers.DateTimeField(allow_null=True, help_text="when it is due, if known")
     message = serializers.CharField()
     allowed_approvers = serializers.ListField(child=serializers.CharField())
+
+
+class ChildRunSerializer(serializers.Serializer):
+    """A child run started by one of the run's child-workflow stages (oldest first)."""
+
+    id = serializers.UUIDField()
+    workflow_id = serializers.CharField()
+    status = serializers.ChoiceField(choices=RUN_STATUSES)
+    parent_stage_id = serializers.CharField(help_text="the stage that started it")
+    parent_generation = serializers.IntegerField(
+        help_text="that stage's rerun generation (a rerun starts a new child)"
+    )
+    url = serializers.CharField()
 
 
 class RunLinksSerializer(serializers.Serializer):
@@ -495,6 +513,13 @@ class RunDetailSerializer(RunSerializer):
     )
     stages = StageSerializer(many=True)
     waiting = WaitingSerializer(many=True)
+    parent_run_id = serializers.UUIDField(
+        allow_null=True, help_text="the run whose child-workflow stage started this run"
+    )
+    parent_stage_id = serializers.CharField(
+        allow_null=True, help_text="that parent stage's id (null without a parent)"
+    )
+    children = ChildRunSerializer(many=True, help_text="the runs this run's stages started")
     links = RunLinksSerializer()
 
 

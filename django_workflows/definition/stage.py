@@ -190,6 +190,29 @@ def seconds_error(value: object) -> str | None:
     return None
 
 
+@dataclass(frozen=True, eq=False)
+class ChildSpec:
+    """What a child-workflow stage starts (issue 18 item 5; see
+    :func:`django_workflows.children.child_workflow`).
+
+    Attributes:
+        workflow_id: the child workflow's id, resolved in the kernel's registry when the stage
+            runs.
+        workflow: the child :class:`~.workflow.Workflow` object when one was given (the test
+            kit registers it; build-time checks walk it for cycles), else ``None``.
+        input: ``input(ctx) -> dict``: the child run's input, from the parent stage's context.
+        config: the child run's config map (``{stage_id: {...}}``) or ``None``.
+        poll_interval_seconds: how often the parent's suspended stage looks at the child when
+            nothing woke it (seconds, > 0); a child's end wakes it at once.
+    """
+
+    workflow_id: str
+    workflow: Any
+    input: Callable[..., Any]
+    config: dict[str, Any] | None = None
+    poll_interval_seconds: float = 30.0
+
+
 @dataclass(eq=False)
 class Stage:
     """A stage definition (WF-1). Build one with :func:`stage`, :func:`define_stage` or
@@ -239,6 +262,9 @@ class Stage:
     queue_timeout_seconds: float | None = None
     when: Any = None
     signal: Any = None
+    #: Set on a child-workflow stage (:func:`django_workflows.children.child_workflow`): what
+    #: child run it starts. ``None`` for every other stage.
+    child: ChildSpec | None = None
     _defaults: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:

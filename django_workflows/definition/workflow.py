@@ -273,6 +273,7 @@ class Workflow:
         #: take the conditional path (:mod:`..kernel.stage_path.conditions`) only then.
         self.has_conditions = any(n.conditional for g in self._groups for n in g)
         self._by_id = {node.stage.id: node for group in self._groups for node in group}
+        _check_child_cycles(id, self._groups)
         #: Whether :attr:`version` was given (``define_workflow(version=...)``) rather than
         #: computed (:meth:`fingerprint`).
         self.version_is_explicit = version is not None
@@ -468,6 +469,12 @@ class Workflow:
                             if node.stage.signal is not None
                             else {}
                         ),
+                        # Only on a child-workflow stage: which workflow it starts.
+                        **(
+                            {"child": node.stage.child.workflow_id}
+                            if node.stage.child is not None
+                            else {}
+                        ),
                     }
                     for node in group
                 ]
@@ -508,6 +515,11 @@ class Workflow:
                         **(
                             {"signal": node.stage.signal.structure()}
                             if node.stage.signal is not None
+                            else {}
+                        ),
+                        **(
+                            {"child": {"workflow_id": node.stage.child.workflow_id}}
+                            if node.stage.child is not None
                             else {}
                         ),
                     }
@@ -632,6 +644,34 @@ def _keyed_schema(title: str, stages: Sequence[Stage]) -> dict[str, Any]:
     if defs:
         out["$defs"] = defs
     return out
+
+
+def _check_child_cycles(workflow_id: str, groups: Sequence[Sequence[StageNode]]) -> None:
+    """No child-workflow stage may start this workflow again, directly (a stage naming its own
+    workflow) or through child workflows given as objects (issue 18 item 5). A chain through
+    ids resolved only at run time cannot be seen here; its depth is bounded when it runs.
+
+    Raises:
+        WorkflowDefinitionError: naming the stages of the cycle.
+    """
+
+    def walk(nodes: Iterable[StageNode], path: tuple[str, ...], seen: set[int]) -> None:
+        for node in nodes:
+            spec = node.stage.child
+            if spec is None:
+                continue
+            here = (*path, f"{node.stage.id} -> {spec.workflow_id}")
+            if spec.workflow_id == workflow_id:
+                raise WorkflowDefinitionError(
+                    f"Workflow {workflow_id!r}: child-workflow stage cycle: "
+                    f"{workflow_id}: {' / '.join(here)}"
+                )
+            child = spec.workflow
+            if isinstance(child, Workflow) and id(child) not in seen:
+                seen.add(id(child))
+                walk(child.nodes, here, seen)
+
+    walk((node for group in groups for node in group), (), set())
 
 
 class WorkflowBuilder:

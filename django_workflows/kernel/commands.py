@@ -58,6 +58,9 @@ class CreateRun:
             ``kernel.annotations.list`` as ``legacy.metadata.*`` rows (AN-30). Passing it warns.
         annotations: run-scope annotations written atomically with the run (AN-20): a tuple
             of :class:`AnnotationSpec` (or envelope dicts); validated before anything is written.
+        parent_run_id / parent_stage_id / parent_generation: set by a child-workflow stage
+            (issue 18 item 5, :mod:`..children`): the run, stage and rerun generation that
+            start this run as a child. ``None`` for a top-level run.
     """
 
     type: ClassVar[str] = "run.create"
@@ -68,6 +71,9 @@ class CreateRun:
     idempotency_key: str | None = None
     metadata: dict[str, Any] | None = None
     annotations: tuple[AnnotationSpec | Mapping[str, Any], ...] = ()
+    parent_run_id: str | None = None
+    parent_stage_id: str | None = None
+    parent_generation: int | None = None
 
     def __post_init__(self) -> None:
         if self.metadata is not None:

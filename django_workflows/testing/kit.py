@@ -152,6 +152,17 @@ class OverridingExecutor(LocalExecutor):
         return super().run(execution)
 
 
+def register_children(registry: WorkflowRegistry, workflow: Workflow) -> None:
+    """Register, recursively, the child workflows that ``workflow``'s child-workflow stages
+    were given as objects (issue 18 item 5), each unless its id is registered already; so a
+    test drives a parent and its children with one kernel."""
+    for node in workflow.nodes:
+        child = node.stage.child.workflow if node.stage.child is not None else None
+        if isinstance(child, Workflow) and child.id not in registry:
+            registry.register(child)
+            register_children(registry, child)
+
+
 def make_kernel(
     *workflows: Workflow,
     clock: FakeClock | None = None,
@@ -171,6 +182,7 @@ def make_kernel(
     registry = WorkflowRegistry()
     for wf in workflows:
         registry.register(wf)
+        register_children(registry, wf)
     if not isinstance(executor, OverridingExecutor):
         executor = OverridingExecutor(executor)
     return Kernel(
@@ -426,8 +438,10 @@ def run_workflow(
     _check_overrides(workflow, overrides)
     if kernel is None:
         kernel = make_kernel(workflow, clock=clock)
-    elif workflow.id not in kernel.registry:
-        kernel.registry.register(workflow)
+    else:
+        if workflow.id not in kernel.registry:
+            kernel.registry.register(workflow)
+        register_children(kernel.registry, workflow)
     original = kernel.executor
     swapped = not isinstance(original, OverridingExecutor)
     if swapped:

@@ -14,6 +14,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from ... import approval
+from ...children import child_runs
 from ...definition.registry import registry
 from ...kernel.commands import CancelRun, CreateRun, RerunFrom
 from ...kernel.errors import (
@@ -102,6 +103,8 @@ class RunListView(WorkflowsAPIView):
             qs = qs.filter(created_at__gte=query["created_after"])
         if "created_before" in query:
             qs = qs.filter(created_at__lt=query["created_before"])
+        if "parent" in query:
+            qs = qs.filter(parent_run_id=query["parent"])
         if "key" in query:
             annotations = WorkflowAnnotation.objects.filter(run=OuterRef("pk"), key=query["key"])
             if "value" in query:
@@ -252,8 +255,8 @@ class RunDetailView(WorkflowsAPIView):
 
     @staticmethod
     def document(view: WorkflowsAPIView, run: WorkflowRun) -> dict[str, Any]:
-        """The run detail: 2 queries (stages; open jobs, only while the run is active), and one
-        more for worker presence while a job is queued (stage routing)."""
+        """The run detail: 3 queries (stages; open jobs, only while the run is active; child
+        runs), and one more for worker presence while a job is queued (stage routing)."""
         stages = list(
             WorkflowStage.objects.filter(run=run).order_by("execution_group", "stage_number")
         )
@@ -299,6 +302,12 @@ class RunDetailView(WorkflowsAPIView):
                 for st in stages
             ],
             waiting=_waiting(run, stages, jobs),
+            parent_run_id=run.parent_run_id,
+            parent_stage_id=run.parent_stage_id,
+            children=[
+                {**child, "url": view.url("run-detail", child["id"])}
+                for child in child_runs(run.pk)
+            ],
             links={
                 "events": view.url("run-events", rid),
                 "annotations": view.url("run-annotations", rid),

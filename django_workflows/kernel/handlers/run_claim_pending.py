@@ -16,6 +16,7 @@ from django.db import transaction
 
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import events as ev
+from ..children import wake_parent
 from ..commands import ClaimedRun, ClaimPendingRuns, ClaimPendingRunsResult
 from ..locking import claim_next_pending_run
 from ..stage_path.conditions import open_groups
@@ -63,6 +64,8 @@ def _fail(
         error=run_error(None, message, _ERROR_TYPES.get(code, code)),
     )
     write_log(now, "ERROR", message, run_id=run.pk, metadata={"worker_id": worker_id, "code": code})
+    if run.parent_run_id is not None:  # a child run: its parent's stage reads it now
+        wake_parent(kernel, run, now)
     events.append(ev.event(ev.WORKFLOW_FAILED, run.pk, now, error=message))
 
 

@@ -95,6 +95,9 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
         priority=cmd.priority,
         metadata=cmd.metadata,
         definition_version=workflow.version,
+        parent_run_id=cmd.parent_run_id,
+        parent_stage_id=cmd.parent_stage_id,
+        parent_generation=cmd.parent_generation,
     )
     ensure_stored(workflow, now)  # no statement once this process stored the version
     events = [ev.event(ev.WORKFLOW_CREATED, run.pk, now, workflow_id=workflow.id)]

@@ -32,6 +32,7 @@ from django.db.models import Exists, OuterRef, Q
 from ...conf import workflow_settings
 from ...models import ACTIVE_STAGE_STATUSES, Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import events as ev
+from ..children import wake_parent
 from ..commands import ReapStuckRuns, ReapStuckRunsResult
 from ..locking import LOCKED, try_lock_run
 from ..store import run_error, stages_of, update_run
@@ -137,6 +138,8 @@ def handle(kernel: Kernel, cmd: ReapStuckRuns) -> HandlerOutput:
                 "StuckRunReaped",
             ),
         )
+        if run.parent_run_id is not None:  # a child run: its parent's stage reads it now
+            wake_parent(kernel, run, now)
         events.append(ev.event(ev.WORKFLOW_FAILED, run_id, now, error=message))
         failed += 1
     return HandlerOutput(

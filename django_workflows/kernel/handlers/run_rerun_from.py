@@ -27,6 +27,7 @@ from ..stage_path.transition import advance_new_group
 from ..store import create_missing_stages, stages_of, update_run
 from ..versions import ensure_stored
 from .base import HandlerOutput, enqueue_stage_jobs
+from .run_cancel import cancel_children
 
 if TYPE_CHECKING:
     from ...definition.workflow import Workflow
@@ -68,6 +69,18 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
     # Take back every job of the old generation still out, a live lease or not (issue 17):
     # the fence (job id, status RUNNING, attempt) then refuses its late outcome.
     kernel.queue.cancel_by_run(run_id, running=True)
+    # A rerun child-workflow stage starts a new child (a new generation, a new key); an old
+    # generation's child still active is cancelled, so only the new one's output can count.
+    child_stages = [
+        n.stage.id for n in workflow.nodes if n.stage.child and n.stage.id in deleted_ids
+    ]
+    child_events = (
+        cancel_children(
+            kernel, run_id, f"parent run {run_id} reran stage(s)", stage_ids=child_stages
+        )
+        if child_stages
+        else []
+    )
     kernel.blobs.delete_stage_blobs(str(run_id), deleted_ids)
     WorkflowStage.objects.filter(pk__in=[r.pk for r in deleted]).delete()
     # started_at keeps the run's first start (an operator asked "when did this run start",
@@ -103,7 +116,7 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
             map_opener=advance_new_group,
         )
         return HandlerOutput(
-            RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids), [started, *opened.events]
+            RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids), [*child_events, started, *opened.events]
         )
     new = create_missing_stages(
         run, workflow.stages_in_group(target), generation=generation, now=now
@@ -113,10 +126,10 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
         others = [r for r in records if r.execution_group < target]
         step = advance_new_group(kernel, workflow, run, others, new, now, target, [], None, None)
         return HandlerOutput(
-            RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids), started + step.events
+            RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids), [*child_events, *started, *step.events]
         )
     enqueue_stage_jobs(kernel.queue, run, new, workflow=workflow)
-    return HandlerOutput(RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids), started)
+    return HandlerOutput(RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids), [*child_events, *started])
 
 
 def rerun_group(workflow: Workflow, stage_id: str) -> int:

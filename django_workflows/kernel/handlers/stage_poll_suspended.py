@@ -35,6 +35,7 @@ from ...definition.signal import SIGNAL_PAYLOAD_INVALID, SIGNAL_TIMEOUT, waited_
 from ...definition.stage import format_validation_error
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowSignal, WorkflowStage
 from .. import events as ev
+from ..children import cancel_child_of, wake_parent
 from ..commands import PollSuspendedStages, PollSuspendedStagesResult
 from ..errors import RunNotRunningError
 from ..executor import error_text
@@ -100,7 +101,9 @@ def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
             reason = f"Stage {record.stage_id!r} has no check_completion (not async-batch)"
         kind = "WorkflowNotFound" if workflow is None else "StageNotFound"
         return _write(
-            kernel, record, lambda now, events: _fail_both(record, reason, now, events, kind)
+            kernel,
+            record,
+            lambda now, events: _fail_both(kernel, record, reason, now, events, kind),
         )
 
     services = KernelStageServices(
@@ -146,11 +149,12 @@ def _poll_one(kernel: Kernel, record: WorkflowStage) -> str:
         if check.error or check.ready:
             _consume_waited_signal(record, now)
         if check.error:
-            outcome = _fail_both(record, check.error, now, events, failure_type)
+            outcome = _fail_both(kernel, record, check.error, now, events, failure_type)
         elif check.ready:
             outcome = _resume(kernel, run, stage, record, check, now, events)
         elif record.max_wait_until is not None and record.max_wait_until <= now:
             outcome = _fail_both(
+                kernel,
                 record,
                 f"Stage {record.stage_id!r} did not complete before its deadline, max_wait_until "
                 f"({record.max_wait_until.isoformat()})",
@@ -306,7 +310,7 @@ def _write(kernel: Kernel, record: WorkflowStage, apply: Any) -> str:
                 return "busy"
             now = kernel.clock.now()
             events = []
-            outcome = _fail_both(record, message, now, events, type(exc).__name__)
+            outcome = _fail_both(kernel, record, message, now, events, type(exc).__name__)
             append_events(events, new_causation_id(), now)
             return outcome
 
@@ -321,6 +325,7 @@ def _update_suspended(record: WorkflowStage, now: datetime, **fields: Any) -> No
 
 
 def _fail_both(
+    kernel: Kernel,
     record: WorkflowStage,
     error: str,
     now: datetime,
@@ -353,6 +358,8 @@ def _fail_both(
     WorkflowJob.objects.filter(
         workflow_run_id=run.pk, stage_id=record.stage_id, status=Status.SUSPENDED
     ).update(status=Status.FAILED, completed_at=now, updated_at=now, last_error=error)
+    if run.parent_run_id is not None:  # a child run failed: its parent's stage reads it now
+        wake_parent(kernel, run, now)
     events.append(
         ev.event(
             ev.STAGE_FAILED,
@@ -389,6 +396,7 @@ def _resume(
             output = stage.parse_output(check.output)
         except ValidationError as exc:  # Part I item 6: fails stage and run, with field paths
             return _fail_both(
+                kernel,
                 record,
                 f"ValidationError: invalid output of stage {record.stage_id!r}: "
                 f"{format_validation_error(exc)}",
@@ -432,3 +440,6 @@ def _cancel_stage(kernel: Kernel, record: WorkflowStage) -> None:
     WorkflowJob.objects.filter(
         workflow_run_id=record.run_id, stage_id=record.stage_id, status=Status.SUSPENDED
     ).update(status=Status.CANCELLED, completed_at=now, updated_at=now)
+    # A child-workflow stage's child outlives no parent (issue 18 item 5): a run that left
+    # RUNNING other than by run.cancel (which cascades itself) has its child cancelled here.
+    cancel_child_of(kernel, record, f"parent run {record.run_id} is no longer running")

@@ -17,6 +17,7 @@ from ...definition.stage import Stage
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import timeouts
 from ..commands import ExecuteJobResult
+from ..children import start_child
 from ..connections import retry_on_disconnect
 from ..executor import ExecutionOutcome
 from ..faults import fault_point
@@ -117,6 +118,9 @@ def _stage_transaction(
                 raise _Discard()  # not ours any more either: a stale delivery
             return Outcome("ghost", error=error)
         now = kernel.clock.now()
+        if outcome.suspend is not None and d.node.stage.child is not None:
+            # A child-workflow stage: its child run commits with this outcome or not at all.
+            start_child(kernel, run, d.record, d.node.stage, outcome)
         if job.item_index is not None:  # a map item (issue 18 item 3)
             return _item_outcome(kernel, d, run, outcome, services, now, worker_id, stop, queues)
         result = _settle_job(kernel, job, outcome, d.node.stage)

@@ -10,6 +10,9 @@ advances or completes it (EC-8); the second sees the new group's PENDING records
 * a FAILED record whose job is not being retried -> run FAILED, ``workflow:failed`` (K-TR-5);
 * a next group exists -> create it with the current rerun generation, enqueue (K-TR-6);
 * otherwise -> run COMPLETED with the last group's output and cost totals (K-TR-7).
+
+A child run (``parent_run_id`` set) that ends COMPLETED or FAILED here wakes its parent's
+waiting stage in the same transaction (:func:`..children.wake_parent`; issue 18 item 5).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ...definition.workflow import Workflow
 from ...models import ACTIVE_STAGE_STATUSES, Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import events as ev
+from ..children import wake_parent
 from ..commands import TransitionRunResult
 from ..handlers.base import enqueue_stage_jobs, job_leased_to
 from ..store import (
@@ -162,6 +166,8 @@ def advance(
                 delivery=max(deliveries, key=lambda j: j.pk).attempt if deliveries else None,
             ),
         )
+        if run.parent_run_id is not None:  # a child run: its parent's stage reads it now
+            wake_parent(kernel, run, now)
         return Advance(
             TransitionRunResult("failed"), [ev.event(ev.WORKFLOW_FAILED, run_id, now, error=error)]
         )
@@ -206,6 +212,8 @@ def advance(
         total_cost=total_cost,
         total_tokens=total_tokens,
     )
+    if run.parent_run_id is not None:  # a child run: its parent's stage takes its output now
+        wake_parent(kernel, run, now)
     return Advance(
         TransitionRunResult("completed"),
         [

@@ -6,6 +6,7 @@ outside look sees: no live worker at all, or a worker that stopped renewing its 
 * ``approval``: ``python manage.py workflows_approve <run id>`` (or ``workflows_reject``);
   ``--stage <id>`` when several approvals wait.
 * ``signal``: ``python manage.py workflows_signal <run id> <name> --payload '<JSON>'``.
+* ``child``: ``python manage.py workflows_status <child run id>`` (what the child waits for).
 * ``no_worker`` (no live worker serves the job's queue): ``python manage.py qcluster`` for the
   ``default`` queue, ``python manage.py workflows_worker --queue <q>`` for another; a version
   no live worker runs has no command (deploy workers of that version).
@@ -145,6 +146,14 @@ def _explained(
             reason.stage_id,
             reason.message,
             f"python manage.py workflows_signal {run.pk} {reason.signal} --payload '<JSON>'",
+            reason.at,
+        )
+    if reason.reason == "child" and reason.child_run_id:
+        return CliWaiting(
+            "child",
+            reason.stage_id,
+            reason.message,
+            f"python manage.py workflows_status {reason.child_run_id}",
             reason.at,
         )
     if reason.reason == "claim" and not live_queues():

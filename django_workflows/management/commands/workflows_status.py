@@ -22,6 +22,7 @@ from django_workflows.kernel.runtime import get_kernel
 from django_workflows.kernel.versions import describe_missing_version, waiting_for_version
 from django_workflows.models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 
+from ...children import child_runs
 from ...runs import error_details
 from ._common import format_datetime, format_duration_ms, get_run, run_error
 from ._waiting import CliWaiting, run_waiting
@@ -87,6 +88,9 @@ def run_document(
     ``waiting_reason`` says so (``"waiting for a gpu worker"``, else ``null``);
     ``waiting_for_version`` is the run's ``definition_version`` when workers are live but none
     runs it (``waiting_reason``: ``"waiting for a worker with version X"``), else ``null``.
+    ``parent_run_id`` / ``parent_stage_id`` name the run whose stage started this one (child
+    workflows), ``children`` lists the runs this one started (``[{"id", "workflow_id",
+    "status", "parent_stage_id"}]``).
     """
     jobs = jobs if jobs is not None else latest_jobs(run)
     if waiting_for is None:
@@ -112,6 +116,12 @@ def run_document(
         "waiting_for_version": version,
         "waiting_reason": reason,
         "waiting": [w.document() for w in waiting_for],
+        "parent_run_id": str(run.parent_run_id) if run.parent_run_id else None,
+        "parent_stage_id": run.parent_stage_id,
+        "children": [
+            {k: c[k] for k in ("id", "workflow_id", "status", "parent_stage_id")}
+            for c in child_runs(run.pk)
+        ],
         "input": run.input,
         "config": run.config,
         "output": run.output,
@@ -192,6 +202,17 @@ class Command(BaseCommand):
         write(f"  started:   {format_datetime(run.started_at)}")
         write(f"  completed: {format_datetime(run.completed_at)}")
         write(f"  duration:  {format_duration_ms(run.duration_ms)}")
+        if run.parent_run_id:
+            write(
+                f"  parent:    {run.parent_run_id} (stage {run.parent_stage_id}, "
+                f"generation {run.parent_generation})"
+            )
+        for index, child in enumerate(child_runs(run.pk)):
+            write(
+                f"  {'children:' if index == 0 else '':<9}  {child['id']} {child['workflow_id']} "
+                f"{child['status']} (stage {child['parent_stage_id']}, generation "
+                f"{child['parent_generation']})"
+            )
         error = run_error(run, stages)
         if error:
             write(f"  error:     {error}")

@@ -16,6 +16,8 @@ straight through.
   after; run by the stage timeout tests.
 * ``signal-pipeline``: approved (``wait_for_signal``, payload ``Approval``) -> book (returns the
   payload); run by the signal acceptance test.
+* ``family-parent``: kid (a child-workflow stage running ``family-child``: one stage sleeping
+  a few random milliseconds) -> done; run by the child cancel race test.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from django_workflows import (
     stage,
     wait_for_signal,
 )
+from django_workflows.children import child_workflow
 
 
 def crash_dir() -> Path:
@@ -297,5 +300,51 @@ signal_pipeline = register(
     define_workflow(id="signal-pipeline", name="Signals: wait for 'approved'")
     .pipe(wait_for_signal(id="approved", payload=Approval, timeout_seconds=120))
     .pipe(stage(id="book", input=Approval, output=Approval)(booked))
+    .build()
+)
+
+
+# --- family-parent / family-child --------------------------------------------------------------
+
+
+class FamilyInput(BaseModel):
+    seed: int
+
+
+class FamilyOut(BaseModel):
+    seed: int
+    value: int
+
+
+@stage(id="work", input=FamilyInput, output=FamilyOut)
+def family_work(ctx: StageContext[FamilyInput, Any]) -> FamilyOut:
+    rng = random.Random(ctx.input.seed)
+    time.sleep(rng.uniform(0.0, 0.4))
+    return FamilyOut(seed=ctx.input.seed, value=ctx.input.seed * 7)
+
+
+family_child = register(
+    define_workflow(id="family-child", name="Child race: child", input=FamilyInput)
+    .pipe(family_work)
+    .build()
+)
+
+
+@stage(id="done", input=FamilyOut, output=FamilyOut)
+def family_done(ctx: StageContext[FamilyOut, Any]) -> FamilyOut:
+    return ctx.input
+
+
+family_parent = register(
+    define_workflow(id="family-parent", name="Child race: parent", input=FamilyInput)
+    .pipe(
+        child_workflow(
+            id="kid",
+            workflow=family_child,
+            input=lambda ctx: {"seed": ctx.input.seed},
+            stage_input=FamilyInput,
+        )
+    )
+    .pipe(family_done)
     .build()
 )
