@@ -86,6 +86,11 @@ class WorkflowRun(models.Model):
     #: unversioned, any definition of the workflow may execute it. Also the database default,
     #: so rows inserted by code that predates the column (a rolling deploy) are unversioned.
     definition_version = models.CharField(max_length=64, default="", db_default="", blank=True)
+    #: The run's concurrency key (issue 18 item 6, docs/limits.md): its workflow's
+    #: ``concurrency_key(input)``, computed once when the run is created; at most
+    #: ``max_running_per_key`` runs of the workflow with one key are RUNNING at once. ``None``:
+    #: the run is not limited by key.
+    concurrency_key = models.CharField(max_length=200, null=True, blank=True)
 
     class Meta:
         db_table = "workflow_runs"
@@ -101,6 +106,10 @@ class WorkflowRun(models.Model):
             # The admin's workflow filter, newest first (0007).
             models.Index(
                 fields=["workflow_id", "created_at", "id"], name="wf_run_workflow_created_idx"
+            ),
+            # The per-key limit's count of RUNNING runs of one key (issue 18 item 6).
+            models.Index(
+                fields=["workflow_id", "concurrency_key", "status"], name="wf_run_concurrency_idx"
             ),
         ]
         # Operator permissions shared by the HTTP API and the admin.

@@ -142,8 +142,10 @@ class WaitingReason:
             pick the stage's job up), ``retry`` (the job waits out a retry back-off),
             ``executing`` (a worker holds the lease), ``poll`` (a suspended stage waits for its
             next completion check), ``approval`` (a suspended approval stage waits for a
-            human decision) or ``no_worker`` (no live worker serves the job's queue, or none
-            runs the run's definition version: "waiting for a worker with version X").
+            human decision), ``no_worker`` (no live worker serves the job's queue, or none
+            runs the run's definition version: "waiting for a worker with version X") or
+            ``limit`` (a shared limit is full, issue 18 item 6: "held by the limit
+            max_running_per_key=1 for key 'cust-7' (run <id> holds it)").
         stage_id: the stage concerned (``None`` for ``claim``).
         at: when it is due, if known (next poll, retry not-before time; aware datetime).
         message: one human sentence (no interface-specific hint: callers add their own).
@@ -252,6 +254,13 @@ def waiting_reasons(
         return bool(advertised) and version not in advertised.get(workflow_id, ())
 
     if run.status == Status.PENDING:
+        if run.concurrency_key is not None:
+            from .definition.registry import registry
+            from .kernel.limits import describe_run_hold
+
+            held = describe_run_hold(run, registry.get(run.workflow_id))
+            if held:
+                return [WaitingReason("limit", None, message=held)]
         if version_missing(run.workflow_id, run.definition_version):
             from .kernel.versions import describe_missing_version
 
@@ -280,6 +289,15 @@ def waiting_reasons(
     now = now or timezone.now()
     out: list[WaitingReason] = []
     idle: set[str] | None = None
+    from .definition.registry import registry
+    from .kernel.limits import describe_job_hold, queue_limits
+
+    def limited(job: WorkflowJob) -> bool:  # no query: a limited workflow or queue only
+        workflow = registry.get(job.workflow_id)
+        return bool(
+            (workflow is not None and workflow.limits and workflow.limits.max_running_stages)
+            or job.queue in queue_limits()
+        )
 
     def unserved(queue: str) -> bool:  # no live worker serves ``queue`` (one query, once)
         nonlocal idle
@@ -326,6 +344,14 @@ def waiting_reasons(
                         message="suspended until its next completion check",
                     )
                 )
+        elif (
+            job is not None
+            and job.status == Status.PENDING
+            and (job.next_poll_at is None or job.next_poll_at <= now)
+            and limited(job)
+            and (held := describe_job_hold(job, registry.get(job.workflow_id)))
+        ):
+            out.append(WaitingReason("limit", stage.stage_id, at=job.next_poll_at, message=held))
         elif (
             job is not None
             and job.status == Status.PENDING

@@ -373,7 +373,16 @@ class WaitingSerializer(serializers.Serializer):
     """Why the run is not moving right now (one entry per waiting stage)."""
 
     reason = serializers.ChoiceField(
-        choices=["claim", "job_queued", "no_worker", "retry", "executing", "poll", "approval"],
+        choices=[
+            "claim",
+            "job_queued",
+            "no_worker",
+            "retry",
+            "executing",
+            "poll",
+            "approval",
+            "limit",
+        ],
         help_text="no_worker: the stage's queue has no live worker (stage routing)",
     )
     stage_id = serializers.CharField(allow_null=True)

@@ -19,6 +19,7 @@ from .. import timeouts
 from ..connections import retry_on_disconnect
 from ..executor import ExecutionOutcome
 from ..faults import fault_point
+from ..limits import wake_freed
 from ..locking import lock_run
 from ..outbox import append_events
 from ..services import KernelStageServices
@@ -99,6 +100,7 @@ def _outcome_transaction(
         result = _settle_job(kernel, job, outcome, d.node.stage)
         if result is None:
             raise _Discard()
+        wake_freed(kernel.transport, d.workflow, job.queue)  # free unless limited (issue 18)
         stage_result, events = write_outcome(
             kernel, run, d.node, d.record, outcome, services, d.started_at, now
         )

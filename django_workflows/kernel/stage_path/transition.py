@@ -23,6 +23,7 @@ from ...models import ACTIVE_STAGE_STATUSES, Status, WorkflowJob, WorkflowRun, W
 from .. import events as ev
 from ..commands import TransitionRunResult
 from ..handlers.base import enqueue_stage_jobs, job_leased_to
+from ..limits import wake_claimer_if_keyed
 from ..store import (
     create_missing_stages,
     duration_ms,
@@ -115,6 +116,7 @@ def advance(
                 delivery=max(deliveries, key=lambda j: j.pk).attempt if deliveries else None,
             ),
         )
+        wake_claimer_if_keyed(kernel.transport, workflow, run)  # a key slot freed (issue 18)
         return Advance(
             TransitionRunResult("failed"), [ev.event(ev.WORKFLOW_FAILED, run_id, now, error=error)]
         )
@@ -154,6 +156,7 @@ def advance(
         total_cost=total_cost,
         total_tokens=total_tokens,
     )
+    wake_claimer_if_keyed(kernel.transport, workflow, run)  # a key slot freed (issue 18)
     return Advance(
         TransitionRunResult("completed"),
         [
