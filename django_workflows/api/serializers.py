@@ -351,6 +351,11 @@ class RunSerializer(serializers.Serializer):
         help_text="the version of the definition the run started with (explicit or a "
         "fingerprint 'fp-...'); empty: unversioned",
     )
+    concurrency_key = serializers.CharField(
+        allow_null=True,
+        help_text="the run's concurrency key (its workflow's concurrency_key(input)): at most "
+        "max_running_per_key runs with one key are RUNNING at once; null: not limited by key",
+    )
 
 
 class StageSerializer(serializers.Serializer):

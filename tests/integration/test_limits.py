@@ -382,3 +382,38 @@ def test_threads_claiming_at_once_start_one_run_per_key(kernel_for: Any, clock: 
     assert WorkflowRun.objects.filter(concurrency_key="cust-7", status=Status.RUNNING).count() == 1
     oldest = WorkflowRun.objects.filter(concurrency_key="cust-7").order_by("created_at").first()
     assert oldest is not None and oldest.status == Status.RUNNING  # FIFO within the key
+
+
+def test_admin_api_and_cli_show_the_key_and_the_hold(
+    kernel_of: Any, clock: Any, admin_client: Any, admin_user: Any
+) -> None:
+    import io
+
+    from django.core.management import call_command
+    from django.urls import reverse
+    from rest_framework.test import APIClient
+
+    kernel = kernel_of(per_key())
+    first = create(kernel, "billing", {"customer_id": "cust-7"})
+    clock.advance(1)
+    second = create(kernel, "billing", {"customer_id": "cust-7"})
+    assert lease(kernel, "w1") is not None
+    held = f"held by the limit max_running_per_key=1 for key 'cust-7' (run {first} holds it)"
+
+    page = admin_client.get(
+        reverse("admin:django_workflows_workflowrun_change", args=[str(second)])
+    )
+    text = page.content.decode()
+    assert page.status_code == 200 and "cust-7" in text
+    assert held.replace("'", "&#x27;") in text
+
+    api = APIClient()
+    api.force_authenticate(admin_user)
+    body = api.get(reverse("django_workflows_api:run-detail", args=[str(second)])).json()
+    assert body["concurrency_key"] == "cust-7"
+    assert body["waiting"][0]["reason"] == "limit" and body["waiting"][0]["message"] == held
+
+    out = io.StringIO()
+    call_command("workflows_status", str(second), stdout=out)
+    assert "key:       cust-7 (concurrency key)" in out.getvalue()
+    assert held in out.getvalue()
