@@ -209,8 +209,13 @@ def check_run(
     return None
 
 
-def _keyed_workflows(registry: WorkflowRegistry) -> bool:
-    return any(w.limits is not None and w.limits.concurrency_key is not None for w in registry)
+def key_limits(registry: WorkflowRegistry) -> dict[str, int]:
+    """``{workflow_id: max_running_per_key}`` of the registered keyed workflows."""
+    return {
+        w.id: w.limits.max_running_per_key
+        for w in registry
+        if w.limits is not None and w.limits.concurrency_key and w.limits.max_running_per_key
+    }
 
 
 def claim_next_allowed_run(
@@ -220,16 +225,19 @@ def claim_next_allowed_run(
 ) -> WorkflowRun | None:
     """:func:`.locking.claim_next_pending_run`, passing over runs whose key is held by its
     ``max_running_per_key`` (the next run of another key, or unkeyed, is claimed instead;
-    within one key the oldest first). Without a keyed workflow registered: exactly
+    within one key the oldest first). Full keys are left out by the claim statement itself;
+    the candidate's key is then checked under its lock (:func:`check_run`), and a key whose
+    lock is busy is left out of the next try. Without a keyed workflow registered: exactly
     :func:`.locking.claim_next_pending_run`.
     """
     from .locking import claim_next_pending_run
 
-    if not _keyed_workflows(registry):
+    limits = key_limits(registry)
+    if not limits:
         return claim_next_pending_run(versions)
     held: list[tuple[str, str]] = []
-    while True:
-        run = claim_next_pending_run(versions, exclude_keys=held)
+    while True:  # full keys are passed over in the statement; this loops on lock contention
+        run = claim_next_pending_run(versions, exclude_keys=held, key_limits=limits)
         if run is None or run.concurrency_key is None:
             return run
         if check_run(registry.get(run.workflow_id), run.concurrency_key, transport) is None:

@@ -104,22 +104,44 @@ def require_running(run_id: uuid.UUID, *, wait: bool = True) -> WorkflowRun:
 
 
 def claim_next_pending_run(
-    versions: VersionPairs | None = None, exclude_keys: Iterable[tuple[str, str]] = ()
+    versions: VersionPairs | None = None,
+    exclude_keys: Iterable[tuple[str, str]] = (),
+    key_limits: dict[str, int] | None = None,
 ) -> WorkflowRun | None:
     """Lock the PENDING run with the highest priority, oldest first (DM-33); skip locked rows.
     ``versions``: skip runs of these workflows whose definition version is none of these
-    (:func:`versions_clause`; issue 12 item 3); ``None``: any. ``exclude_keys``:
-    ``(workflow_id, concurrency_key)`` pairs whose runs are held by a per-key limit
-    (:mod:`.limits`, issue 18 item 6).
+    (:func:`versions_clause`; issue 12 item 3); ``None``: any.
+
+    Per-key limits (:mod:`.limits`, issue 18 item 6): ``key_limits`` (``{workflow_id:
+    max_running_per_key}``) passes over keyed runs of those workflows whose key already has
+    that many RUNNING runs, in the same statement (one indexed count per candidate, so held
+    keys cost no statement each); ``exclude_keys``: ``(workflow_id, concurrency_key)`` pairs
+    to pass over as well (held by a lock this transaction could not take).
     """
     in_versions, params, nv = versions_clause(versions)
     keys = list(exclude_keys)
     not_keys = "".join(" AND NOT (workflow_id = %s AND concurrency_key = %s)" for _ in keys)
     params += [item for pair in keys for item in pair]
+    room, nl = "", 0
+    if key_limits:
+        limited = sorted(key_limits.items())
+        nl = len(limited)
+        table = rows._q(WorkflowRun._meta.db_table)
+        cases = " ".join("WHEN %s THEN %s" for _ in limited)
+        room = (
+            f" AND (concurrency_key IS NULL OR workflow_id NOT IN ({', '.join(['%s'] * nl)})"
+            f" OR (SELECT COUNT(*) FROM {table} held WHERE held.workflow_id = {table}.workflow_id"
+            f" AND held.concurrency_key = {table}.concurrency_key AND held.status = %s)"
+            f" < CASE workflow_id {cases} END)"
+        )
+        params += [w for w, _ in limited] + [Status.RUNNING.value]
+        params += [item for pair in limited for item in pair]
     found = rows.select(
         WorkflowRun,
-        f"claim_next_pending_run:{nv}" + (f":k{len(keys)}" if keys else ""),
-        f"status = %s{in_versions}{not_keys}",
+        f"claim_next_pending_run:{nv}"
+        + (f":k{len(keys)}" if keys else "")
+        + (f":l{nl}" if nl else ""),
+        f"status = %s{in_versions}{not_keys}{room}",
         [Status.PENDING.value, *params],
         order_by="priority DESC, created_at ASC, id ASC",
         limit=1,

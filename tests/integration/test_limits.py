@@ -276,6 +276,26 @@ def test_one_run_per_key_in_order_others_keys_not_starved(kernel_of: Any, clock:
     assert set(WorkflowRun.objects.values_list("status", flat=True)) == {Status.COMPLETED}
 
 
+def test_held_keys_cost_one_claim_statement_not_one_each(kernel_for: Any, clock: Any) -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    kernel = kernel_for(per_key())
+    for i in range(6):
+        create(kernel, "billing", {"customer_id": f"cust-{i}"})
+        clock.advance(1)
+    for i in range(6):
+        assert lease(kernel, f"w{i}") is not None  # one RUNNING run per key
+    for i in range(6):
+        create(kernel, "billing", {"customer_id": f"cust-{i}"})  # all held
+        clock.advance(1)
+    last = create(kernel, "billing", {"customer_id": "cust-new"})
+    with CaptureQueriesContext(connection) as queries:
+        got = lease(kernel, "w-last")
+    assert got is not None and got.run.pk == last  # six held keys passed over ...
+    claims = [q["sql"] for q in queries if "concurrency_key IS NULL" in q["sql"]]
+    assert len(claims) == 1, claims  # ... in the claim statement itself
+
+
 def test_runs_without_a_key_are_not_limited(kernel_for: Any) -> None:
     workflow = (
         define_workflow(id="maybe", input=Order, concurrency_key=lambda i: i.customer_id or None)
