@@ -222,22 +222,26 @@ def claim_next_allowed_run(
     registry: WorkflowRegistry,
     versions: VersionPairs | None,
     transport: JobTransport | None = None,
+    claim: Callable[..., WorkflowRun | None] | None = None,
 ) -> WorkflowRun | None:
     """:func:`.locking.claim_next_pending_run`, passing over runs whose key is held by its
     ``max_running_per_key`` (the next run of another key, or unkeyed, is claimed instead;
     within one key the oldest first). Full keys are left out by the claim statement itself;
     the candidate's key is then checked under its lock (:func:`check_run`), and a key whose
     lock is busy is left out of the next try. Without a keyed workflow registered: exactly
-    :func:`.locking.claim_next_pending_run`.
+    ``claim(versions)``. ``claim``: the claim statement (default
+    :func:`.locking.claim_next_pending_run`; callers pass the name they import, so a test
+    that replaces it there still sees its replacement called).
     """
     from .locking import claim_next_pending_run
 
+    claim = claim or claim_next_pending_run
     limits = key_limits(registry)
     if not limits:
-        return claim_next_pending_run(versions)
+        return claim(versions)
     held: list[tuple[str, str]] = []
     while True:  # full keys are passed over in the statement; this loops on lock contention
-        run = claim_next_pending_run(versions, exclude_keys=held, key_limits=limits)
+        run = claim(versions, exclude_keys=held, key_limits=limits)
         if run is None or run.concurrency_key is None:
             return run
         if check_run(registry.get(run.workflow_id), run.concurrency_key, transport) is None:

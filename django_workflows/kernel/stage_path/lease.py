@@ -19,7 +19,7 @@ from ..connections import retry_on_disconnect
 from ..faults import fault_point
 from ..handlers.run_claim_pending import start_claimed_run
 from ..limits import check_job, claim_next_allowed_run, job_gate
-from ..locking import LOCKED, lock_run, try_lock_run
+from ..locking import LOCKED, claim_next_pending_run, lock_run, try_lock_run
 from ..outbox import append_events, caused_by, new_causation_id
 from ..store import load_outputs, run_error, stages_of, update_run, update_stage, write_log
 from . import Delivery
@@ -115,7 +115,9 @@ def _lease_transaction(
         if job is not None:
             run = locked[job.pk]
         else:
-            run = claim_next_allowed_run(kernel.registry, versions, kernel.transport)
+            run = claim_next_allowed_run(
+                kernel.registry, versions, kernel.transport, claim=claim_next_pending_run
+            )
             if run is None:
                 return None
             started = start_claimed_run(
