@@ -107,6 +107,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
                 )
             )
     messages += check_routing()
+    messages += check_queue_limits()
     messages += check_stage_timeouts()
     for alias, db in settings.DATABASES.items():
         if db.get("ENGINE", "").endswith("sqlite3"):
@@ -158,6 +159,33 @@ def check_session_bounds(alias: str, db: dict[str, Any]) -> list[Any]:
             hint="See docs/howto/several-hosts.md, 'Bound every database session', for the "
             "OPTIONS to use (or silence this if the role or server sets them)",
             id="django_workflows.W012",
+        )
+    ]
+
+
+def queue_limits_error(value: Any) -> str | None:
+    """Why ``value`` is not a valid ``QUEUE_LIMITS`` setting (``{queue: positive int}``), or
+    ``None``."""
+    if not isinstance(value, dict):
+        return f"must be a dict of queue name to a positive integer, got {value!r}"
+    for queue, limit in value.items():
+        if not isinstance(queue, str) or not queue:
+            return f"has a queue name that is not a non-empty string: {queue!r}"
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            return f"[{queue!r}] must be a positive integer, got {limit!r}"
+    return None
+
+
+def check_queue_limits() -> list[Any]:
+    """``DJANGO_WORKFLOWS['QUEUE_LIMITS']`` (issue 18 item 6): E030 naming the bad entry."""
+    problem = queue_limits_error(workflow_settings.QUEUE_LIMITS)
+    if problem is None:
+        return []
+    return [
+        Error(
+            f"DJANGO_WORKFLOWS['QUEUE_LIMITS'] {problem}",
+            hint='e.g. "QUEUE_LIMITS": {"gpu": 2} (at most 2 RUNNING jobs of queue "gpu")',
+            id="django_workflows.E030",
         )
     ]
 

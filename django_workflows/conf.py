@@ -100,6 +100,11 @@ DEFAULTS: dict[str, Any] = {
     # the jobs of its queues; "default" maps to Q_CLUSTER_NAME unless named here. A stage
     # queue mapped nowhere is reported by system check django_workflows.W010.
     "QUEUES": {},
+    # Shared limits (issue 18 item 6, docs/limits.md): {queue: N} - at most N jobs of that
+    # queue RUNNING at once across the cluster (every host, every workflow), e.g. {"gpu": 2}.
+    # Enforced by the database when a job is leased; a queue not named here is unlimited.
+    # A bad value is reported by system check django_workflows.E030.
+    "QUEUE_LIMITS": {},
     # Module that each installed app may define with its workflows (autodiscovery).
     "AUTODISCOVER_MODULE": "workflows",
     # The transport used to wake workers: "django_q" or "inline" (tests: nothing is sent).

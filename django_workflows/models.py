@@ -99,6 +99,11 @@ class WorkflowRun(models.Model):
     parent_stage_id = models.CharField(max_length=200, null=True, blank=True)
     #: The rerun generation of that parent stage when it started this run.
     parent_generation = models.IntegerField(null=True, blank=True)
+    #: The run's concurrency key (issue 18 item 6, docs/limits.md): its workflow's
+    #: ``concurrency_key(input)``, computed once when the run is created; at most
+    #: ``max_running_per_key`` runs of the workflow with one key are RUNNING at once. ``None``:
+    #: the run is not limited by key.
+    concurrency_key = models.CharField(max_length=200, null=True, blank=True)
 
     class Meta:
         db_table = "workflow_runs"
@@ -117,6 +122,10 @@ class WorkflowRun(models.Model):
             ),
             # A parent's children (cancel cascade, run page, ``?parent=``), newest first.
             models.Index(fields=["parent_run_id", "created_at"], name="wf_run_parent_idx"),
+            # The per-key limit's count of RUNNING runs of one key (issue 18 item 6).
+            models.Index(
+                fields=["workflow_id", "concurrency_key", "status"], name="wf_run_concurrency_idx"
+            ),
         ]
         # Operator permissions shared by the HTTP API and the admin.
         permissions = [

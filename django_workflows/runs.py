@@ -147,9 +147,11 @@ class WaitingReason:
             next completion check), ``approval`` (a suspended approval stage waits for a
             human decision), ``signal`` (a ``wait_for_signal`` stage waits for a signal;
             ``at``: its timeout, ``None`` without one), ``child`` (a child-workflow stage waits
-            for its child run: "waiting for child run <id> (RUNNING, stage x)") or
+            for its child run: "waiting for child run <id> (RUNNING, stage x)"),
             ``no_worker`` (no live worker serves the job's queue, or none runs the run's
-            definition version: "waiting for a worker with version X").
+            definition version: "waiting for a worker with version X") or ``limit`` (a shared
+            limit is full, issue 18 item 6: "held by the limit max_running_per_key=1 for key
+            'cust-7' (run <id> holds it)").
         stage_id: the stage concerned (``None`` for ``claim``).
         signal: the signal name a ``signal`` reason waits for, else ``None``.
         at: when it is due, if known (next poll, retry not-before time; aware datetime).
@@ -286,8 +288,8 @@ def waiting_reasons(
     from django.utils import timezone
 
     from .approval import APPROVAL_KIND
-    from .definition.signal import SIGNAL_WAIT_KIND
     from .children import CHILD_KIND
+    from .definition.signal import SIGNAL_WAIT_KIND
     from .models import TERMINAL_RUN_STATUSES, Status, WorkflowJob, WorkflowStage
 
     advertised: dict[str, set[str]] | None = None
@@ -307,6 +309,13 @@ def waiting_reasons(
         return bool(advertised) and version not in advertised.get(workflow_id, ())
 
     if run.status == Status.PENDING:
+        if run.concurrency_key is not None:
+            from .definition.registry import registry
+            from .kernel.limits import describe_run_hold
+
+            held = describe_run_hold(run, registry.get(run.workflow_id))
+            if held:
+                return [WaitingReason("limit", None, message=held)]
         if version_missing(run.workflow_id, run.definition_version):
             from .kernel.versions import describe_missing_version
 
@@ -335,6 +344,15 @@ def waiting_reasons(
     now = now or timezone.now()
     out: list[WaitingReason] = []
     idle: set[str] | None = None
+    from .definition.registry import registry
+    from .kernel.limits import describe_job_hold, queue_limits
+
+    def limited(job: WorkflowJob) -> bool:  # no query: a limited workflow or queue only
+        workflow = registry.get(job.workflow_id)
+        return bool(
+            (workflow is not None and workflow.limits and workflow.limits.max_running_stages)
+            or job.queue in queue_limits()
+        )
 
     def unserved(queue: str) -> bool:  # no live worker serves ``queue`` (one query, once)
         nonlocal idle
@@ -399,6 +417,14 @@ def waiting_reasons(
                         message="suspended until its next completion check",
                     )
                 )
+        elif (
+            job is not None
+            and job.status == Status.PENDING
+            and (job.next_poll_at is None or job.next_poll_at <= now)
+            and limited(job)
+            and (held := describe_job_hold(job, registry.get(job.workflow_id)))
+        ):
+            out.append(WaitingReason("limit", stage.stage_id, at=job.next_poll_at, message=held))
         elif (
             job is not None
             and job.status == Status.PENDING

@@ -397,6 +397,11 @@ class RunSerializer(serializers.Serializer):
         help_text="the version of the definition the run started with (explicit or a "
         "fingerprint 'fp-...'); empty: unversioned",
     )
+    concurrency_key = serializers.CharField(
+        allow_null=True,
+        help_text="the run's concurrency key (its workflow's concurrency_key(input)): at most "
+        "max_running_per_key runs with one key are RUNNING at once; null: not limited by key",
+    )
 
 
 class MapItemsSerializer(serializers.Serializer):
@@ -447,9 +452,10 @@ class WaitingSerializer(serializers.Serializer):
             "approval",
             "signal",
             "child",
+            "limit",
         ],
         help_text="no_worker: the stage's queue has no live worker (stage routing); child: a "
-        "child-workflow stage waits for its child run",
+        "child-workflow stage waits for its child run; limit: a shared limit is full",
     )
     stage_id = serializers.CharField(allow_null=True)
     at = serializers.DateTimeField(allow_null=True, help_text="when it is due, if known")

@@ -214,6 +214,82 @@ def parallel_input(*stages: Stage, optional: Iterable[str] = ()) -> type[Paralle
 
 
 @dataclass(frozen=True)
+class WorkflowLimits:
+    """A workflow's shared limits (issue 18 item 6; docs/limits.md), enforced by the database
+    when a job is leased or a PENDING run is claimed.
+
+    ``max_running_stages``: at most this many RUNNING jobs (stage deliveries) of the workflow
+    across the cluster; ``None``: no limit. ``concurrency_key``: ``key(input) -> str | None``,
+    called once when a run is created with the validated input model; the result (a string,
+    at most :data:`MAX_CONCURRENCY_KEY_LENGTH` characters) is stored on the run
+    (``WorkflowRun.concurrency_key``); ``None`` means the run is not limited.
+    ``max_running_per_key``: at most this many RUNNING runs of the workflow per key (the
+    others stay PENDING and start oldest first when a slot frees).
+    """
+
+    max_running_stages: int | None = None
+    concurrency_key: Any = None
+    max_running_per_key: int | None = None
+
+    def structure(self) -> dict[str, Any]:
+        """``{"max_running_stages": N, "max_running_per_key": N, "concurrency_key": True}``,
+        only the parts used."""
+        out: dict[str, Any] = {}
+        if self.max_running_stages is not None:
+            out["max_running_stages"] = self.max_running_stages
+        if self.concurrency_key is not None:
+            out["concurrency_key"] = True
+            out["max_running_per_key"] = self.max_running_per_key
+        return out
+
+
+#: The longest concurrency key a run may carry (``WorkflowRun.concurrency_key``).
+MAX_CONCURRENCY_KEY_LENGTH = 200
+
+
+def _positive_int(workflow_id: str, field: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise WorkflowDefinitionError(
+            f"Workflow {workflow_id!r}: {field} must be a positive integer or None, got {value!r}"
+        )
+    return value
+
+
+def make_limits(
+    workflow_id: str,
+    max_running_stages: Any = None,
+    concurrency_key: Any = None,
+    max_running_per_key: Any = None,
+) -> WorkflowLimits | None:
+    """Validated :class:`WorkflowLimits`, or ``None`` when no limit is declared.
+
+    Raises:
+        WorkflowDefinitionError: a limit that is not a positive integer, a
+            ``concurrency_key`` that is not callable, or ``max_running_per_key`` without a
+            ``concurrency_key``; the message names the field.
+    """
+    stages = _positive_int(workflow_id, "max_running_stages", max_running_stages)
+    per_key = _positive_int(workflow_id, "max_running_per_key", max_running_per_key)
+    if concurrency_key is not None and not callable(concurrency_key):
+        raise WorkflowDefinitionError(
+            f"Workflow {workflow_id!r}: concurrency_key must be a callable "
+            f"(input -> str | None), got {concurrency_key!r}"
+        )
+    if per_key is not None and concurrency_key is None:
+        raise WorkflowDefinitionError(
+            f"Workflow {workflow_id!r}: max_running_per_key needs a concurrency_key "
+            "(a callable computing the key from the run input)"
+        )
+    if concurrency_key is not None and per_key is None:
+        per_key = 1
+    if stages is None and concurrency_key is None:
+        return None
+    return WorkflowLimits(stages, concurrency_key, per_key)
+
+
+@dataclass(frozen=True)
 class StageNode:
     """A stage placed in a workflow: its 1-based execution group and stage number (WF-31/32)."""
 
@@ -249,12 +325,15 @@ class Workflow:
         takes_over: Iterable[str] = (),
         placements: dict[str, tuple[Condition | None, BranchSpot | None]] | None = None,
         maps: Mapping[str, MapSpec] | None = None,
+        limits: WorkflowLimits | None = None,
     ) -> None:
         self.id = id
         self.name = name
         maps = dict(maps or {})
         #: Whether any stage is a map stage (the kernel's fan-out code runs only then).
         self.has_maps = bool(maps)
+        #: Shared limits (issue 18 item 6), ``None`` when the workflow declares none.
+        self.limits: WorkflowLimits | None = limits
         self.description = description
         self.input_model = input_model
         self._groups: tuple[tuple[StageNode, ...], ...] = ()
@@ -441,12 +520,13 @@ class Workflow:
         ``default`` keywords, ``$defs`` renamed canonically.
 
         Names, descriptions, queues, docstrings, ``Field(description=...)``, default values,
-        model class names and the stage functions' code are not in it: renaming a stage's
+        model class names, the numbers of the shared limits and the stage functions' code
+        are not in it (a ``concurrency_key`` adds ``"limit"``): renaming a stage's
         title, a model class, or moving a stage to another pool keeps the version; adding,
         removing, re-ordering or re-typing a stage or a field, or changing whether a field
         is required, changes it.
         """
-        return {
+        material: dict[str, Any] = {
             "format": FINGERPRINT_FORMAT,
             "input": _schema(self.input_model),
             "groups": [
@@ -481,6 +561,11 @@ class Workflow:
                 for group in self._groups
             ],
         }
+        if self.limits is not None and self.limits.concurrency_key is not None:
+            # Only whether runs carry a concurrency key (issue 18 item 6): the limits' numbers
+            # are tuning knobs, changing them keeps the version.
+            material["limit"] = {"concurrency_key": True}
+        return material
 
     def fingerprint(self) -> str:
         """``"fp-"`` and the first 16 hex digits of the SHA-256 of
@@ -499,9 +584,10 @@ class Workflow:
         "queue"}, ...], ...]}``; a conditional stage adds ``"when": {"predicate", "reason"}``
         and a stage of a branch block ``"branch": {"id", "chooser", "branches", "name"}``;
         a ``wait_for_signal`` stage also has ``"signal"``
-        (:meth:`~django_workflows.definition.signal.SignalWait.structure`).
+        (:meth:`~django_workflows.definition.signal.SignalWait.structure`); the workflow has
+        ``"limit"`` (:meth:`WorkflowLimits.structure`) when it declares shared limits.
         """
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "groups": [
                 [
@@ -528,6 +614,9 @@ class Workflow:
                 for group in self._groups
             ],
         }
+        if self.limits is not None:
+            out["limit"] = self.limits.structure()
+        return out
 
     # --- config and input (WF-42..44, K-CR-2/3) -------------------------------------------
 
@@ -687,8 +776,10 @@ class WorkflowBuilder:
         input: type[BaseModel] | None = None,
         version: str | None = None,
         takes_over: Iterable[str] = (),
+        limits: WorkflowLimits | None = None,
     ) -> None:
         self.id = validate_id("workflow", id)
+        self.limits = limits
         self.version = version
         self.takes_over = takes_over
         self.name = name or id
@@ -962,6 +1053,7 @@ class WorkflowBuilder:
             takes_over=self.takes_over,
             placements=self._placements,
             maps=self._maps,
+            limits=self.limits,
         )
 
 
@@ -973,6 +1065,9 @@ def define_workflow(
     description: str = "",
     version: str | None = None,
     takes_over: Iterable[str] = (),
+    max_running_stages: int | None = None,
+    concurrency_key: Any = None,
+    max_running_per_key: int | None = None,
 ) -> WorkflowBuilder:
     """Start a workflow definition (WF-30). ``input=None`` accepts any object and ignores it.
 
@@ -982,9 +1077,19 @@ def define_workflow(
             (:meth:`Workflow.fingerprint`).
         takes_over: older versions whose in-flight runs this definition may execute (a
             worker with it also leases their jobs); must not include ``version``.
+        max_running_stages: at most this many stages of this workflow RUNNING at once across
+            the cluster (issue 18 item 6, docs/limits.md); ``None``: no limit.
+        concurrency_key: ``key(input) -> str | None`` computed once per run from its
+            validated input (e.g. ``lambda i: i.customer_id``); runs with the same key share
+            ``max_running_per_key`` slots.
+        max_running_per_key: at most this many RUNNING runs per key (default 1 when
+            ``concurrency_key`` is given); the others stay PENDING and start in order.
 
     Raises:
-        WorkflowDefinitionError: (at :meth:`WorkflowBuilder.build`) a malformed ``version``
-            or ``takes_over`` entry, naming the field.
+        WorkflowDefinitionError: a limit that is not a positive integer, a non-callable
+            ``concurrency_key``, ``max_running_per_key`` without ``concurrency_key`` (at
+            once); (at :meth:`WorkflowBuilder.build`) a malformed ``version`` or
+            ``takes_over`` entry, naming the field.
     """
-    return WorkflowBuilder(id, name or id, description, input, version, takes_over)
+    limits = make_limits(id, max_running_stages, concurrency_key, max_running_per_key)
+    return WorkflowBuilder(id, name or id, description, input, version, takes_over, limits)

@@ -103,16 +103,45 @@ def require_running(run_id: uuid.UUID, *, wait: bool = True) -> WorkflowRun:
     return run
 
 
-def claim_next_pending_run(versions: VersionPairs | None = None) -> WorkflowRun | None:
+def claim_next_pending_run(
+    versions: VersionPairs | None = None,
+    exclude_keys: Iterable[tuple[str, str]] = (),
+    key_limits: dict[str, int] | None = None,
+) -> WorkflowRun | None:
     """Lock the PENDING run with the highest priority, oldest first (DM-33); skip locked rows.
     ``versions``: skip runs of these workflows whose definition version is none of these
     (:func:`versions_clause`; issue 12 item 3); ``None``: any.
+
+    Per-key limits (:mod:`.limits`, issue 18 item 6): ``key_limits`` (``{workflow_id:
+    max_running_per_key}``) passes over keyed runs of those workflows whose key already has
+    that many RUNNING runs, in the same statement (one indexed count per candidate, so held
+    keys cost no statement each); ``exclude_keys``: ``(workflow_id, concurrency_key)`` pairs
+    to pass over as well (held by a lock this transaction could not take).
     """
     in_versions, params, nv = versions_clause(versions)
+    keys = list(exclude_keys)
+    not_keys = "".join(" AND NOT (workflow_id = %s AND concurrency_key = %s)" for _ in keys)
+    params += [item for pair in keys for item in pair]
+    room, nl = "", 0
+    if key_limits:
+        limited = sorted(key_limits.items())
+        nl = len(limited)
+        table = rows._q(WorkflowRun._meta.db_table)
+        cases = " ".join("WHEN %s THEN %s" for _ in limited)
+        room = (
+            f" AND (concurrency_key IS NULL OR workflow_id NOT IN ({', '.join(['%s'] * nl)})"
+            f" OR (SELECT COUNT(*) FROM {table} held WHERE held.workflow_id = {table}.workflow_id"
+            f" AND held.concurrency_key = {table}.concurrency_key AND held.status = %s)"
+            f" < CASE workflow_id {cases} END)"
+        )
+        params += [w for w, _ in limited] + [Status.RUNNING.value]
+        params += [item for pair in limited for item in pair]
     found = rows.select(
         WorkflowRun,
-        f"claim_next_pending_run:{nv}",
-        f"status = %s{in_versions}",
+        f"claim_next_pending_run:{nv}"
+        + (f":k{len(keys)}" if keys else "")
+        + (f":l{nl}" if nl else ""),
+        f"status = %s{in_versions}{not_keys}{room}",
         [Status.PENDING.value, *params],
         order_by="priority DESC, created_at ASC, id ASC",
         limit=1,
@@ -126,9 +155,14 @@ def claim_next_job(
     exclude: Iterable[int] = (),
     queues: Iterable[str] | None = None,
     versions: VersionPairs | None = None,
+    exclude_workflows: Iterable[str] = (),
+    exclude_queues: Iterable[str] = (),
 ) -> WorkflowJob | None:
     """Lock the ready PENDING job with the highest priority, oldest run first (DM-41), so a
     run that has started finishes before newer runs start.
+
+    ``exclude_workflows`` / ``exclude_queues``: workflows and queues whose jobs are held by a
+    shared limit in this lease (:mod:`.limits`, issue 18 item 6); passed over.
 
     ``now``: lease time (a datetime or the database's ``Now()``). ``exclude``: job ids this
     transaction already looked at (and still holds locks on). ``queues``: only jobs of these
@@ -140,8 +174,11 @@ def claim_next_job(
     queue_list = sorted(queues) if queues is not None else None
     if queue_list is not None and not queue_list:
         return None
+    held_workflows, held_queues = sorted(exclude_workflows), sorted(exclude_queues)
     if hasattr(now, "resolve_expression") and not isinstance(now, Now):
-        return _claim_next_job_orm(now, exclude, queue_list, versions)  # another expression
+        return _claim_next_job_orm(  # another expression
+            now, exclude, queue_list, versions, held_workflows, held_queues
+        )
     params: list[Any] = [Status.PENDING.value]
     in_queues = ""
     if queue_list is not None:
@@ -159,12 +196,18 @@ def claim_next_job(
     not_in, ids = rows.ids_clause("id", exclude)
     in_versions, version_params, nv = versions_clause(versions)
     nq = -1 if queue_list is None else len(queue_list)
+    held, held_params, key = "", [], ""
+    if held_workflows or held_queues:
+        not_workflows, held_params = rows.ids_clause("workflow_id", held_workflows)
+        not_queues, queue_params = rows.ids_clause("queue", held_queues)
+        held, held_params = not_workflows + not_queues, held_params + queue_params
+        key = f":h{len(held_workflows)}:{len(held_queues)}"
     found = rows.select(
         WorkflowJob,
-        f"claim_next_job:{ready != '%s'}:{len(ids)}:{nq}:{nv}",
+        f"claim_next_job:{ready != '%s'}:{len(ids)}:{nq}:{nv}{key}",
         f"status = %s{in_queues} AND (next_poll_at IS NULL OR next_poll_at <= {ready})"
-        f"{in_versions}{not_in}",
-        params + version_params + ids,
+        f"{in_versions}{not_in}{held}",
+        params + version_params + ids + held_params,
         order_by="priority DESC, run_created_at ASC, id ASC",
         limit=1,
         lock="skip",
@@ -173,11 +216,20 @@ def claim_next_job(
 
 
 def _claim_next_job_orm(
-    now: Any, exclude: list[int], queues: list[str] | None, versions: VersionPairs | None
+    now: Any,
+    exclude: list[int],
+    queues: list[str] | None,
+    versions: VersionPairs | None,
+    held_workflows: list[str],
+    held_queues: list[str],
 ) -> WorkflowJob | None:
     qs = WorkflowJob.objects.select_for_update(skip_locked=True).filter(
         Q(next_poll_at__isnull=True) | Q(next_poll_at__lte=now), status=Status.PENDING
     )
+    if held_workflows:
+        qs = qs.exclude(workflow_id__in=held_workflows)
+    if held_queues:
+        qs = qs.exclude(queue__in=held_queues)
     if queues is not None:
         qs = qs.filter(queue__in=queues)
     if exclude:

@@ -173,6 +173,7 @@ class JobQueue:
         accept: Callable[[WorkflowJob], bool] | None = None,
         queues: frozenset[str] | None = None,
         versions: VersionPairs | None = None,
+        gate: Callable[[WorkflowJob], Any] | None = None,
     ) -> WorkflowJob | None:
         """:meth:`dequeue` inside the caller's transaction (the caller commits the lease).
 
@@ -183,18 +184,38 @@ class JobQueue:
         definitions (:meth:`.WorkflowRegistry.runnable_versions`; issue 12 item 3): a job of
         one of their workflows is leased only if it is unversioned or its
         ``definition_version`` is one of theirs, in the same statement; ``None``: any.
+        ``gate(job)``: the shared limits (:func:`.limits.job_gate`, issue 18 item 6), asked
+        before ``accept``; a :class:`.limits.Held` answer passes over every job of that
+        workflow (``max_running_stages``) or queue (``QUEUE_LIMITS``) for the rest of this
+        lease, in the claim statement itself (so held work costs one statement, not one per
+        job); ``None``: no limits.
         """
         now = self.clock.now()
         seen: list[int] = []
+        held_workflows: set[str] = set()
+        held_queues: set[str] = set()
         while True:
             job = claim_next_job(
-                self.lease_clock.now(), exclude=seen, queues=queues, versions=versions
+                self.lease_clock.now(),
+                exclude=seen,
+                queues=queues,
+                versions=versions,
+                exclude_workflows=held_workflows,
+                exclude_queues=held_queues,
             )
             if job is None:
                 return None
             seen.append(job.pk)
             if job.attempt >= job.max_attempts:
                 self.give_up(job)
+                continue
+            held = gate(job) if gate is not None else None
+            if held is not None:
+                if held.kind == "queue":
+                    held_queues.add(job.queue)
+                else:
+                    held_workflows.add(job.workflow_id)
+                seen.pop()  # excluded by its workflow or queue from now on
             elif accept is None or accept(job):
                 break
         if not self.lease(job, worker_id, now=now):  # as Model.save(update_fields=...) would

@@ -91,9 +91,7 @@ def _sources(*roots: Path, suffixes: tuple[str, ...]) -> list[Path]:
     for root in roots:
         paths = [root] if root.is_file() else sorted(root.rglob("*"))
         files += [
-            p
-            for p in paths
-            if p.suffix in suffixes and "migrations" not in _rel(p).split("/")
+            p for p in paths if p.suffix in suffixes and "migrations" not in _rel(p).split("/")
         ]
     return files
 

@@ -43,6 +43,7 @@ RUN_LIST_FIELDS = (
     "completed_at",
     "duration_ms",
     "definition_version",
+    "concurrency_key",
 )
 
 

@@ -9,6 +9,7 @@ from ...definition.stage import DEFAULT_QUEUE, Stage
 from ...definition.workflow import Workflow
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from ..commands import Result
+from ..limits import check_job
 from ..queue import JobQueue, JobSpec
 
 
@@ -39,7 +40,8 @@ def enqueue_stage_jobs(
 
     ``reserve_for``: lease one job to that worker (:meth:`JobQueue.enqueue_jobs`): the first
     whose queue is in ``serves`` (the worker's queues; ``None``: any), and none if no job's
-    queue is served (they stay PENDING and their queues' clusters are woken). Returns the
+    queue is served (they stay PENDING and their queues' clusters are woken), and none if a
+    shared limit (:func:`..limits.check_job`) holds that job. Returns the
     inserted jobs, the reserved one (RUNNING) first.
 
     A map stage's record (issue 18 item 3; ``kernel`` required then) is fanned out by
@@ -95,6 +97,8 @@ def _enqueue_plain(
             reserve_for = None
         elif first:
             specs.insert(0, specs.pop(first))
+    if reserve_for is not None and specs and check_job(workflow, specs[0].queue) is not None:
+        reserve_for = None  # held by a shared limit (issue 18 item 6): left PENDING
     return queue.enqueue_jobs(specs, reserve_for=reserve_for)
 
 

@@ -18,6 +18,7 @@ from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import events as ev
 from ..children import wake_parent
 from ..commands import ClaimedRun, ClaimPendingRuns, ClaimPendingRunsResult
+from ..limits import claim_next_allowed_run
 from ..locking import claim_next_pending_run
 from ..stage_path.conditions import open_groups
 from ..stage_path.transition import advance_new_group
@@ -74,7 +75,9 @@ def handle(kernel: Kernel, cmd: ClaimPendingRuns) -> HandlerOutput:
     events: list[dict[str, Any]] = []
     versions = kernel.registry.runnable_versions()  # issue 12 item 3
     for _ in range(max(0, cmd.max_claims)):
-        run = claim_next_pending_run(versions)
+        run = claim_next_allowed_run(
+            kernel.registry, versions, kernel.transport, claim=claim_next_pending_run
+        )
         if run is None:
             break
         started = start_claimed_run(kernel, run, cmd.worker_id, events)

@@ -23,6 +23,7 @@ from ..errors import (
     WorkflowNotFoundError,
 )
 from ..jsonvalue import json_type, storable_json_error
+from ..limits import concurrency_key_of
 from ..store import write_annotations
 from ..versions import ensure_stored
 from .base import HandlerOutput
@@ -81,6 +82,14 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
     if metadata_error:
         raise InvalidCommandError(f"metadata: {metadata_error}", field="metadata")
     inputs = inputs_from_specs(cmd.annotations)
+    key = None
+    if workflow.limits is not None and workflow.limits.concurrency_key is not None:
+        try:  # issue 18 item 6: computed once, stored on the run
+            key = concurrency_key_of(workflow, workflow.parse_input(cmd.input))
+        except ValueError as exc:
+            raise InvalidWorkflowInputError(
+                f"Invalid workflow input: {exc}", field="input"
+            ) from None
 
     now = kernel.clock.now()
     run = WorkflowRun.objects.create(
@@ -98,6 +107,7 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
         parent_run_id=cmd.parent_run_id,
         parent_stage_id=cmd.parent_stage_id,
         parent_generation=cmd.parent_generation,
+        concurrency_key=key,
     )
     ensure_stored(workflow, now)  # no statement once this process stored the version
     events = [ev.event(ev.WORKFLOW_CREATED, run.pk, now, workflow_id=workflow.id)]

@@ -116,7 +116,8 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
             map_opener=advance_new_group,
         )
         return HandlerOutput(
-            RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids), [*child_events, started, *opened.events]
+            RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids),
+            [*child_events, started, *opened.events],
         )
     new = create_missing_stages(
         run, workflow.stages_in_group(target), generation=generation, now=now
@@ -126,10 +127,13 @@ def handle(kernel: Kernel, cmd: RerunFrom) -> HandlerOutput:
         others = [r for r in records if r.execution_group < target]
         step = advance_new_group(kernel, workflow, run, others, new, now, target, [], None, None)
         return HandlerOutput(
-            RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids), [*child_events, *started, *step.events]
+            RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids),
+            [*child_events, *started, *step.events],
         )
     enqueue_stage_jobs(kernel.queue, run, new, workflow=workflow)
-    return HandlerOutput(RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids), [*child_events, *started])
+    return HandlerOutput(
+        RerunFromResult(str(run_id), cmd.from_stage_id, deleted_ids), [*child_events, *started]
+    )
 
 
 def rerun_group(workflow: Workflow, stage_id: str) -> int:

@@ -18,6 +18,7 @@ from .. import events as ev
 from ..connections import retry_on_disconnect
 from ..faults import fault_point
 from ..handlers.run_claim_pending import start_claimed_run
+from ..limits import check_job, claim_next_allowed_run, job_gate
 from ..locking import LOCKED, claim_next_pending_run, lock_run, try_lock_run
 from ..outbox import append_events, caused_by, new_causation_id
 from ..store import load_outputs, run_error, stages_of, update_run, update_stage, write_log
@@ -103,14 +104,20 @@ def _lease_transaction(
 
         versions = kernel.registry.runnable_versions()  # issue 12 item 3: same statement
         job = kernel.queue.lease_next(
-            worker_id, accept=run_is_free, queues=queues, versions=versions
+            worker_id,
+            accept=run_is_free,
+            queues=queues,
+            versions=versions,
+            gate=job_gate(kernel.registry, kernel.transport),  # None without limits (issue 18)
         )
         run: WorkflowRun | None
         records: list[WorkflowStage] | None = None
         if job is not None:
             run = locked[job.pk]
         else:
-            run = claim_next_pending_run(versions)
+            run = claim_next_allowed_run(
+                kernel.registry, versions, kernel.transport, claim=claim_next_pending_run
+            )
             if run is None:
                 return None
             started = start_claimed_run(
@@ -422,7 +429,9 @@ def lease_job(
 
     A PENDING job is leased to ``worker_id`` (RUNNING, ``attempt + 1``, lease stamped by the
     lease clock). A RUNNING job is taken as the caller's own lease (it dequeued it) when
-    ``attempt`` is ``None`` or equals the job's attempt (the token). The run is locked before
+    ``attempt`` is ``None`` or equals the job's attempt (the token). A PENDING job held by a
+    shared limit (:mod:`..limits`) is not leased (it stays PENDING for a later lease). The run
+    is locked before
     the job, the order a cancel takes, so the two never deadlock.
 
     Returns ``(delivery, job)``: ``delivery`` is ``None`` when the job was settled instead of
@@ -455,6 +464,8 @@ def lease_job(
             elif job.attempt >= job.max_attempts:
                 kernel.queue.give_up(job)
                 return None, None
+            elif check_job(kernel.registry.get(job.workflow_id), job.queue) is not None:
+                return None, None  # held by a shared limit (issue 18): left PENDING
             elif not kernel.queue.lease(job, worker_id):
                 return None, None
             events: list[dict[str, Any]] = []

@@ -16,11 +16,12 @@ from django.db import transaction
 from ...definition.stage import Stage
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import timeouts
-from ..commands import ExecuteJobResult
 from ..children import start_child
+from ..commands import ExecuteJobResult
 from ..connections import retry_on_disconnect
 from ..executor import ExecutionOutcome
 from ..faults import fault_point
+from ..limits import wake_freed
 from ..locking import lock_run
 from ..mapping import settle_item
 from ..mapping_poll import suspended_payload
@@ -126,6 +127,7 @@ def _stage_transaction(
         result = _settle_job(kernel, job, outcome, d.node.stage)
         if result is None:
             raise _Discard()
+        wake_freed(kernel.transport, d.workflow, job.queue)  # free unless limited (issue 18)
         stage_result, events = write_outcome(
             kernel, run, d.node, d.record, outcome, services, d.started_at, now
         )

@@ -27,6 +27,7 @@ from .. import events as ev
 from ..children import wake_parent
 from ..commands import TransitionRunResult
 from ..handlers.base import enqueue_stage_jobs, job_leased_to
+from ..limits import wake_claimer_if_keyed
 from ..store import (
     create_missing_stages,
     duration_ms,
@@ -168,6 +169,7 @@ def advance(
         )
         if run.parent_run_id is not None:  # a child run: its parent's stage reads it now
             wake_parent(kernel, run, now)
+        wake_claimer_if_keyed(kernel.transport, workflow, run)  # a key slot freed (issue 18)
         return Advance(
             TransitionRunResult("failed"), [ev.event(ev.WORKFLOW_FAILED, run_id, now, error=error)]
         )
@@ -214,6 +216,7 @@ def advance(
     )
     if run.parent_run_id is not None:  # a child run: its parent's stage takes its output now
         wake_parent(kernel, run, now)
+    wake_claimer_if_keyed(kernel.transport, workflow, run)  # a key slot freed (issue 18)
     return Advance(
         TransitionRunResult("completed"),
         [

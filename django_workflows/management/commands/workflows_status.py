@@ -112,6 +112,7 @@ def run_document(
         "error_detail": run.error,
         "traceback": failed_traceback(run, stages),
         "definition_version": run.definition_version,
+        "concurrency_key": run.concurrency_key,
         "waiting_for_worker": waiting,
         "waiting_for_version": version,
         "waiting_reason": reason,
@@ -198,6 +199,8 @@ class Command(BaseCommand):
         write(f"  status:    {run.status}")
         write(f"  priority:  {run.priority}")
         write(f"  version:   {run.definition_version or '(unversioned)'}")
+        if run.concurrency_key is not None:
+            write(f"  key:       {run.concurrency_key} (concurrency key)")
         write(f"  created:   {format_datetime(run.created_at)}")
         write(f"  started:   {format_datetime(run.started_at)}")
         write(f"  completed: {format_datetime(run.completed_at)}")

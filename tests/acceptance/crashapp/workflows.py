@@ -229,7 +229,7 @@ race_pipeline = register(
 
 
 # The fault and routing tests' workflows (they use ``crash_dir`` and ``enter`` above).
-from . import faults, mapping, routing, schedules, versions  # noqa: E402, F401
+from . import faults, limits, mapping, routing, schedules, versions  # noqa: E402, F401
 
 # --- timeout-pipeline -----------------------------------------------------------------------------
 
