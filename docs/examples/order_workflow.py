@@ -1,65 +1,53 @@
-"""The order workflow of issue 11, in the new style (docs/authoring.md): validate the order,
-then reserve stock and price shipping in parallel, then confirm with a decision annotation.
-A duplicate SKU is a final business error (StageFailed): the run fails at once, no retry."""
+"""The order workflow of issue 18: reserve every line's stock (one job per line), charge with
+retries, ask a human only for orders over 1000, then ship and poll the carrier."""
 
 from pydantic import BaseModel
 
-from django_workflows import StageContext, StageFailed, define_workflow, parallel_input, stage
-from django_workflows.conventions import Decision
+from django_workflows import CompletionCheck, StageContext, Suspend, approval_stage, stage
+from django_workflows import define_async_batch_stage, define_workflow, map_results
+
+
+class Line(BaseModel):
+    sku: str
+    price: int
 
 
 class Order(BaseModel):
     order_id: str
-    skus: list[str]
-    country: str = "DE"
+    lines: list[Line]
 
 
-class Reservation(BaseModel):
-    reserved: list[str]
+class Charged(BaseModel):
+    total: int
 
 
-class Shipping(BaseModel):
-    cents: int
+class Shipped(BaseModel):
+    tracking: str
 
 
-class Confirmation(BaseModel):
-    order_id: str
-    total_cents: int
+@stage(id="reserve")
+def reserve(ctx: StageContext[Line]) -> Line:
+    return ctx.input  # a call to the warehouse per line, each with its own retries
 
 
-@stage(id="validate")
-def validate(ctx: StageContext[Order]) -> Order:
-    dupes = sorted({sku for sku in ctx.input.skus if ctx.input.skus.count(sku) > 1})
-    if dupes:
-        raise StageFailed(f"Duplicate SKU {', '.join(dupes)}", error_type="DuplicateSku")
-    return ctx.input
+@stage(id="charge", retry=5)
+def charge(ctx: StageContext[map_results(reserve)]) -> Charged:
+    return Charged(total=sum(line.price for line in ctx.input.succeeded()))
 
 
-@stage(id="reserve-stock", retry=5)
-def reserve_stock(ctx: StageContext[Order]) -> Reservation:
-    return Reservation(reserved=ctx.input.skus)
+def hand_over(ctx: StageContext) -> Suspend:
+    return Suspend({"batch_id": f"parcel-{ctx.require('charge').total}"}, poll_interval_seconds=600)
 
 
-@stage(id="price-shipping")
-def price_shipping(ctx: StageContext[Order]) -> Shipping:
-    return Shipping(cents=499 if ctx.input.country == "DE" else 1499)
-
-
-Checked = parallel_input(reserve_stock, price_shipping)
-
-
-@stage(id="confirm")
-def confirm(ctx: StageContext[Checked]) -> Confirmation:
-    order: Order = ctx.require("validate")
-    ctx.annotate(Decision.outcome, "confirmed")
-    items = 1000 * len(ctx.input.reserve_stock.reserved)
-    return Confirmation(order_id=order.order_id, total_cents=items + ctx.input.price_shipping.cents)
+def delivered(state: dict, ctx: object) -> CompletionCheck[Shipped]:
+    return CompletionCheck.done(Shipped(tracking=state["batch_id"]))
 
 
 order_workflow = (
     define_workflow(id="order", input=Order)
-    .pipe(validate)
-    .parallel([reserve_stock, price_shipping])
-    .pipe(confirm)
+    .map(reserve, over=lambda c: [line.model_dump() for line in c.input.lines])
+    .pipe(charge)
+    .pipe(approval_stage(id="approval"), when=lambda c: c.output("charge").total > 1000)
+    .pipe(define_async_batch_stage(id="ship", execute=hand_over, check_completion=delivered))
     .build()
 )

@@ -248,6 +248,7 @@ def _poll_signal(kernel: Kernel, run: WorkflowRun, stage: Any, record: WorkflowS
                 output = stage.parse_output(payload)
             except ValidationError as exc:
                 return _fail_both(
+                    kernel,
                     record,
                     f"Signal {spec.name!r} (id {signal_id}) has an invalid payload for stage "
                     f"{record.stage_id!r}: {format_validation_error(exc)}",
@@ -262,6 +263,7 @@ def _poll_signal(kernel: Kernel, run: WorkflowRun, stage: Any, record: WorkflowS
                 check = CompletionCheck.done(spec.timeout_output, metrics={"signal_timeout": 1})
                 return _resume(kernel, run, stage, record, check, now, events)
             return _fail_both(
+                kernel,
                 record,
                 f"Stage {record.stage_id!r} got no signal {spec.name!r} before its timeout "
                 f"({record.max_wait_until.isoformat()})",
