@@ -3,8 +3,16 @@ retries, ask a human only for orders over 1000, then ship and poll the carrier."
 
 from pydantic import BaseModel
 
-from django_workflows import CompletionCheck, StageContext, Suspend, approval_stage, stage
-from django_workflows import define_async_batch_stage, define_workflow, map_results
+from django_workflows import (
+    CompletionCheck,
+    StageContext,
+    Suspend,
+    approval_stage,
+    define_async_batch_stage,
+    define_workflow,
+    map_results,
+    stage,
+)
 
 
 class Line(BaseModel):
