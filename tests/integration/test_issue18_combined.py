@@ -8,6 +8,7 @@ import pytest
 from pydantic import BaseModel
 
 from django_workflows import (
+    MapContext,
     StageContext,
     child_workflow,
     define_workflow,
@@ -52,7 +53,7 @@ def audit(ctx: StageContext[Total]) -> Total:
     return Total(total=ctx.input.total + 1)
 
 
-def _items(c) -> list[dict[str, int]]:  # noqa: ANN001
+def _items(c: MapContext) -> list[dict[str, int]]:
     return [{"n": n} for n in c.input.items]
 
 
@@ -113,7 +114,9 @@ def cheap(ctx: StageContext[Batch]) -> Total:
 
 def test_a_branch_chooses_a_child_workflow_and_takes_its_output(run_workflow) -> None:
     delegate = child_workflow(
-        id="delegate", workflow=KID, input=lambda c: {"n": len(c.input.items)},
+        id="delegate",
+        workflow=KID,
+        input=lambda c: {"n": len(c.input.items)},
         output=Total,
         stage_input=Batch,
     )
