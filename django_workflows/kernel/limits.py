@@ -190,10 +190,19 @@ def concurrency_key_of(workflow: Workflow, parsed_input: Any) -> str | None:
 
 
 def check_run(
-    workflow: Workflow | None, key: str | None, transport: JobTransport | None = None
+    workflow: Workflow | None,
+    key: str | None,
+    transport: JobTransport | None = None,
+    run: WorkflowRun | None = None,
 ) -> Held | None:
     """In the current transaction, whether one more run of ``workflow`` with concurrency key
-    ``key`` may become RUNNING (``None``: yes, its lock is held until commit)."""
+    ``key`` may become RUNNING (``None``: yes, its lock is held until commit).
+
+    ``run``: the claimed candidate; it is refused while an older PENDING run of its key (same
+    definition version, claim order: priority, then age) waits - that one's row is locked by
+    another claimer right now (``SKIP LOCKED`` passed it over) - so runs of one key start in
+    order even under concurrent claims; the claimer is woken after commit to try again.
+    """
     if key is None or workflow is None or workflow.limits is None:
         return None
     per_key = workflow.limits.max_running_per_key
@@ -206,7 +215,34 @@ def check_run(
     running = running_runs(workflow.id, key)
     if running >= per_key:
         return Held("max_running_per_key", key, per_key, running)
+    if run is not None and _older_pending(run):
+        if transport is not None:
+            transaction.on_commit(transport.wake_claimer)
+        return Held("max_running_per_key", key, per_key, running)
     return None
+
+
+def _older_pending(run: WorkflowRun) -> bool:
+    """Whether a PENDING run of ``run``'s workflow, key and definition version comes before
+    it in claim order (priority descending, then ``created_at``, then id)."""
+    from django.db.models import Q
+
+    before = (
+        Q(priority__gt=run.priority)
+        | Q(priority=run.priority, created_at__lt=run.created_at)
+        | Q(priority=run.priority, created_at=run.created_at, pk__lt=run.pk)
+    )
+    return (
+        WorkflowRun.objects.filter(
+            before,
+            workflow_id=run.workflow_id,
+            concurrency_key=run.concurrency_key,
+            definition_version=run.definition_version,
+            status=Status.PENDING,
+        )
+        .exclude(pk=run.pk)
+        .exists()
+    )
 
 
 def key_limits(registry: WorkflowRegistry) -> dict[str, int]:
@@ -244,7 +280,8 @@ def claim_next_allowed_run(
         run = claim(versions, exclude_keys=held, key_limits=limits)
         if run is None or run.concurrency_key is None:
             return run
-        if check_run(registry.get(run.workflow_id), run.concurrency_key, transport) is None:
+        workflow = registry.get(run.workflow_id)
+        if check_run(workflow, run.concurrency_key, transport, run=run) is None:
             return run
         held.append((run.workflow_id, run.concurrency_key))
 
