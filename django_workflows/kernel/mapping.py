@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from django.db import transaction
+
 from ..blobs import output_key
+from ..conf import workflow_settings
 from ..definition.mapping import MAX_ITEMS, MapContext, map_results
 from ..definition.stage import DEFAULT_QUEUE, to_json_value
 from ..definition.workflow import StageNode, Workflow
@@ -143,7 +146,7 @@ def expand(
     max_attempts = (
         stage.retry.max_attempts
         if stage.retry and stage.retry.max_attempts
-        else int(kernel_settings().MAX_ATTEMPTS)
+        else int(workflow_settings.MAX_ATTEMPTS)
     )
     queue_name = stage.queue or DEFAULT_QUEUE
     reserve = reserve_for if reserve_for and (serves is None or queue_name in serves) else None
@@ -193,16 +196,8 @@ def expand(
         setattr(record, name, value)
     ready = min(limit, len(items)) - (1 if reserved is not None else 0)
     if ready:
-        from django.db import transaction
-
         transaction.on_commit(lambda: queue.transport.wake_workers(ready, queue=queue_name))
     return [reserved] if reserved is not None else []
-
-
-def kernel_settings() -> Any:
-    from ..conf import workflow_settings
-
-    return workflow_settings
 
 
 @dataclass
@@ -370,8 +365,6 @@ def _promote(
     for name, value in values.items():
         setattr(job, name, value)
     if reserve_for is None:
-        from django.db import transaction
-
         transaction.on_commit(lambda: kernel.transport.wake_workers(1, queue=job.queue))
         return None
     return job

@@ -342,3 +342,44 @@ def test_async_batch_items_suspend_and_poll_on_their_own() -> None:
     assert polls == {1: 2, 2: 3, -3: 1, 4: 2, 5: 3}
     jobs = WorkflowJob.objects.filter(workflow_run_id=result.run_id, stage_id="square")
     assert all(j.attempt == 1 for j in jobs)  # one delivery each; the rest were polls
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="needs PostgreSQL")
+def test_lost_acknowledgement_of_an_item_outcome_is_reported_committed(
+    kernel_for: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An item's outcome committed (and leased the next item to this worker), then the
+    connection died before the worker heard so: reported committed, the next item delivered at
+    its first attempt, every item completed once."""
+    import logging
+
+    from django_workflows.kernel import faults
+    from django_workflows.kernel.commands import CreateRun
+    from django_workflows.kernel.hosting import process_available_jobs
+
+    from .test_connection_resilience import _lose_ack_once
+
+    wf = _workflow(wid="lost-ack-map", max_concurrency=1)
+    kernel = kernel_for(wf)
+    run_id = kernel.dispatch(
+        CreateRun(workflow_id=wf.id, input={"numbers": [1, 2, 3]})
+    ).workflow_run_id
+    caplog.set_level(logging.WARNING)
+    kills = {"n": 0}
+    faults.inject("outcome.after_commit", lambda: _lose_ack_once(kills))
+    try:
+        result = process_available_jobs(kernel, "w", max_jobs=10)
+    finally:
+        faults.inject("outcome.after_commit", None)
+    assert kills["n"] == 1
+    assert (result.succeeded, result.failed) == (4, 0)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("had committed before the connection was lost" in m for m in messages)
+    assert not any("discarded" in m for m in messages), messages
+    jobs = WorkflowJob.objects.filter(workflow_run_id=run_id, stage_id="square")
+    assert sorted((j.item_index, j.status, j.attempt) for j in jobs) == [
+        (0, "COMPLETED", 1),
+        (1, "COMPLETED", 1),
+        (2, "COMPLETED", 1),
+    ]

@@ -299,6 +299,8 @@ def _committed_before(d: Delivery, outcome: ExecutionOutcome) -> Outcome | None:
         return None
     if job["status"] == Status.FAILED and (job["last_error"] or "").endswith(_GHOST_SUFFIX):
         return Outcome("ghost", error=job["last_error"])
+    if d.job.item_index is not None:  # a map item: its job alone shows its outcome
+        return _item_committed_before(job, outcome)
     record = WorkflowStage.objects.filter(pk=d.record.pk).values("status", "error_message").first()
     if record is None:
         return None
@@ -315,6 +317,20 @@ def _committed_before(d: Delivery, outcome: ExecutionOutcome) -> Outcome | None:
         return Outcome("suspended") if both else None
     both = job["status"] == record["status"] == Status.COMPLETED
     return Outcome("completed") if both else None
+
+
+def _item_committed_before(job: dict[str, Any], outcome: ExecutionOutcome) -> Outcome | None:
+    """:func:`_committed_before` for a map item (its stage record stays RUNNING)."""
+    if outcome.error is not None:
+        mine = (
+            job["status"] in (Status.PENDING, Status.FAILED) and job["last_error"] == outcome.error
+        )
+        if mine:
+            return Outcome("failed", error=outcome.error, retrying=job["status"] == Status.PENDING)
+        return None
+    if outcome.suspend is not None:
+        return Outcome("suspended") if job["status"] == Status.SUSPENDED else None
+    return Outcome("completed") if job["status"] == Status.COMPLETED else None
 
 
 def _settle_job(
