@@ -14,9 +14,9 @@ One session checks what an operator sees of
 5. a per-key limit: the held run's waiting reason says "held by the limit ...".
 
 Screenshots (``issue18_skipped.png``, ``issue18_gantt_skipped.png``, ``issue18_map.png``,
-``issue18_signal_form.png``, ``issue18_children.png``) go to ``$DW_SCREENSHOT_DIR``
-(default: the test's temporary directory); ``DW_SCREENSHOT_DIR=docs/screenshots`` regenerates
-the docs' images.
+``issue18_signal_form.png``, ``issue18_children.png``, ``issue18_runs_list.png``) go to
+``$DW_SCREENSHOT_DIR`` (default: the test's temporary directory);
+``DW_SCREENSHOT_DIR=docs/screenshots`` regenerates the docs' images.
 
 Skipped when the ``playwright`` package or a ``chromium`` binary is missing (``.ci/run``
 installs both).
@@ -377,3 +377,17 @@ def test_issue18_features_in_the_admin(
         "holds it)" in page.locator("#dw-waiting").inner_text()
     )
     assert "cust-7" in page.locator(".field-concurrency_key").inner_text()
+
+    # the runs list: why each run waits, without scrolling sideways
+    page.goto(base + reverse("admin:django_workflows_workflowrun_changelist"))
+    held = page.locator("#result_list tbody tr", has_text=world["held"][:8])
+    assert "held by the limit max_running_per_key=1 for key 'cust-7'" in held.inner_text()
+    listed = page.locator("#result_list").inner_text()
+    assert "waiting for signal 'approved'" not in listed  # that run completed
+    assert "waiting for signal 'packed'" in listed  # the child
+    widths = page.evaluate(
+        "() => [document.querySelector('#result_list').scrollWidth,"
+        " document.querySelector('.results').clientWidth]"
+    )
+    assert widths[0] <= widths[1] + 1, f"the runs list scrolls sideways at 1440 px: {widths}"
+    page.screenshot(path=str(shots / "issue18_runs_list.png"))
