@@ -349,8 +349,9 @@ def _with_map(limits: str, spec: dict[str, Any] | None) -> str:
     max_concurrency 10, on_item_failure fail"."""
     if spec is None:
         return limits
+    over = str(spec.get("over", "?")).rsplit("<locals>.", 1)[-1]  # a nested function's name
     text = (
-        f"map over {spec.get('over', '?')}(), max_concurrency {spec.get('max_concurrency')}, "
+        f"map over {over}(), max_concurrency {spec.get('max_concurrency')}, "
         f"on_item_failure {spec.get('on_item_failure')}"
     )
     return f"{limits}; {text}" if limits else text
