@@ -250,6 +250,14 @@ def _recorded_choice(workflow: Workflow, block: str, by_id: dict[str, WorkflowSt
 def _skipped_record(
     run: WorkflowRun, node: StageNode, reason: str, generation: int, now: datetime
 ) -> WorkflowStage:
+    return _settled_record(run, node, generation, now, status=Status.SKIPPED, skip_reason=reason)
+
+
+def _settled_record(
+    run: WorkflowRun, node: StageNode, generation: int, now: datetime, **fields: Any
+) -> WorkflowStage:
+    """A new (unsaved) stage record of ``node`` that never gets a job: SKIPPED, or FAILED
+    because its condition could not be decided; ``fields``: its status and reason."""
     return rows.new(
         WorkflowStage,
         created_at=now,
@@ -260,10 +268,9 @@ def _skipped_record(
         stage_number=node.stage_number,
         execution_group=node.execution_group,
         generation=generation,
-        status=Status.SKIPPED,
         completed_at=now,
-        skip_reason=reason,
         config=(run.config or {}).get(node.stage.id) or {},
+        **fields,
     )
 
 
@@ -278,21 +285,14 @@ def _fail(
     """The run fails on the stage whose condition (or branch choice) could not be decided:
     its record is FAILED with the error (no job), the run FAILED naming it."""
     node = failure.node
-    rec = rows.new(
-        WorkflowStage,
-        created_at=now,
-        updated_at=now,
-        run_id=run.pk,
-        stage_id=node.stage.id,
-        stage_name=node.stage.name,
-        stage_number=node.stage_number,
-        execution_group=node.execution_group,
-        generation=generation,
+    rec = _settled_record(
+        run,
+        node,
+        generation,
+        now,
         status=Status.FAILED,
-        completed_at=now,
         error_message=failure.message,
         metrics={"error_type": failure.error_type},
-        config=(run.config or {}).get(node.stage.id) or {},
     )
     rows.insert([rec])
     records.append(rec)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
-from ...definition.workflow import Workflow
+from ...definition.workflow import StageNode, Workflow
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import events as ev
 from ..connections import retry_on_disconnect
@@ -177,14 +177,7 @@ def begin(
         events += advance(kernel, workflow, run, records, now).events
         return None
     known = outputs or {}
-    earlier = [
-        r
-        for r in records
-        if r.execution_group < node.execution_group and r.status == Status.COMPLETED
-    ]
-    missing = [r for r in earlier if r.stage_id not in known]
-    loaded = load_outputs(kernel.blobs, missing) if missing else {}
-    earlier_outputs = {r.stage_id: known.get(r.stage_id, loaded.get(r.stage_id)) for r in earlier}
+    earlier_outputs = earlier_outputs_of(kernel, node, records, known)
     resume_state = record.suspended_state if record is not None else None
     record = start_stage(run, node, record, job.payload.get("config") or {}, now)
     causation = new_causation_id()  # the delivery's: its stage:started, then its outcome's
@@ -241,13 +234,6 @@ def _begin_item(
         )
         return None
     known = outputs or {}
-    earlier = [
-        r
-        for r in records
-        if r.execution_group < node.execution_group and r.status == Status.COMPLETED
-    ]
-    missing = [r for r in earlier if r.stage_id not in known]
-    loaded = load_outputs(kernel.blobs, missing) if missing else {}
     return Delivery(
         job=job,
         workflow=workflow,
@@ -255,10 +241,31 @@ def _begin_item(
         run=run,
         record=record,
         records=records,
-        outputs={r.stage_id: known.get(r.stage_id, loaded.get(r.stage_id)) for r in earlier},
+        outputs=earlier_outputs_of(kernel, node, records, known),
         resume_state=None,
         started_at=now,
     )
+
+
+def earlier_outputs_of(
+    kernel: Kernel,
+    node: StageNode,
+    records: list[WorkflowStage],
+    known: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``{stage_id: raw output}`` of the COMPLETED records of groups before ``node``'s: what
+    its body sees of earlier stages. ``known``: outputs the caller already holds (not read
+    again); the others are read in one blob lookup (none when every one is known).
+    """
+    known = known or {}
+    earlier = [
+        r
+        for r in records
+        if r.execution_group < node.execution_group and r.status == Status.COMPLETED
+    ]
+    missing = [r for r in earlier if r.stage_id not in known]
+    loaded = load_outputs(kernel.blobs, missing) if missing else {}
+    return {r.stage_id: known.get(r.stage_id, loaded.get(r.stage_id)) for r in earlier}
 
 
 class _ExecutedTokens:
@@ -395,11 +402,6 @@ def _adopt_orphan(
         return None
     if not kernel.queue.touch(job.pk, attempt=job.attempt):
         return None
-    earlier = [
-        r
-        for r in records
-        if r.execution_group < node.execution_group and r.status == Status.COMPLETED
-    ]
     logger.warning(
         "Stage %s job %s attempt %s: leased to this worker by a commit whose acknowledgement "
         "was lost; delivering it",
@@ -414,7 +416,7 @@ def _adopt_orphan(
         run=run,  # type: ignore[arg-type]
         record=record,
         records=records,
-        outputs=load_outputs(kernel.blobs, earlier) if earlier else {},
+        outputs=earlier_outputs_of(kernel, node, records),
         resume_state=None,
         started_at=record.started_at or kernel.clock.now(),
     )
