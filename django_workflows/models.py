@@ -10,6 +10,7 @@ Django's JSON encoder so datetimes, decimals and UUIDs round-trip as ISO strings
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
@@ -217,6 +218,26 @@ class WorkflowStage(models.Model):
             "failed": self.items_failed or 0,
         }
 
+    def items_in_flight(self, limit: int = 5) -> list[dict[str, Any]]:
+        """A map stage's items being executed now, lowest index first (at most ``limit``):
+        ``[{"index", "progress", "message"}]`` (``progress`` 0-100 or ``None`` before the
+        item's first ``ctx.progress``). One query; ``[]`` at once for a plain stage or a map
+        stage whose items have all settled."""
+        counts = self.items
+        if counts is None or counts["completed"] + counts["failed"] >= counts["total"]:
+            return []
+        rows = (
+            WorkflowJob.objects.filter(
+                workflow_run_id=self.run_id,
+                stage_id=self.stage_id,
+                status=Status.RUNNING,
+                item_index__isnull=False,
+            )
+            .order_by("item_index")
+            .values_list("item_index", "progress", "progress_message")[:limit]
+        )
+        return [{"index": i, "progress": p, "message": m or ""} for i, p, m in rows]
+
     @property
     def items_summary(self) -> str:
         """``"items 7/10 completed, 1 failed"`` for a map stage; ``""`` otherwise."""
@@ -268,6 +289,11 @@ class WorkflowJob(models.Model):
     item_index = models.PositiveIntegerField(null=True, blank=True)
     #: A completed map item's output (JSON), written in the fenced UPDATE that completes it.
     item_output = _json(null=True, blank=True)
+    #: A map item's live progress (0-100) and message, from ``ctx.progress`` in its body
+    #: (issue 18 item 3: each item reports its own; the map stage's record shows settled /
+    #: total). ``None`` for a plain stage's job, whose progress is on its stage record.
+    progress = models.FloatField(null=True, blank=True)
+    progress_message = models.TextField(null=True, blank=True)
 
     class Meta:
         db_table = "workflow_jobs"

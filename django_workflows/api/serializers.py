@@ -404,12 +404,26 @@ class RunSerializer(serializers.Serializer):
     )
 
 
+class MapItemProgressSerializer(serializers.Serializer):
+    """One map item being executed: its index and its own ``ctx.progress``."""
+
+    index = serializers.IntegerField()
+    progress = serializers.FloatField(allow_null=True, help_text="0-100; null before any")
+    message = serializers.CharField(allow_blank=True)
+
+
 class MapItemsSerializer(serializers.Serializer):
     """A map stage's items: how many ``over`` returned, completed, failed for good."""
 
     total = serializers.IntegerField()
     completed = serializers.IntegerField()
     failed = serializers.IntegerField()
+    in_flight = MapItemProgressSerializer(
+        many=True,
+        required=False,
+        help_text="the items executing now (at most 5, lowest index first) with their own "
+        "ctx.progress",
+    )
 
 
 class StageSerializer(serializers.Serializer):

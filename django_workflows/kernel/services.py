@@ -11,7 +11,7 @@ import uuid
 from typing import Any
 
 from ..blobs import BlobNotFoundError, stage_prefix, storage_key
-from ..models import Status, WorkflowRun, WorkflowStage
+from ..models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from ..ports import BlobStore, Clock
 from .connections import retry_on_disconnect
 from .jsonvalue import storable_text
@@ -122,6 +122,8 @@ class KernelStageServices:
         #: A map item's index (issue 18 item 3): its live progress is not written to the map
         #: stage's record (whose progress is settled / total items).
         self.item_index: int | None = None
+        #: A map item's delivery token (job id, attempt): its progress goes to its job row.
+        self.item_token: tuple[int, int] | None = None
         self.storage = RunScopedStorage(blobs, workflow_type, run_id, stage_id)
         self._progress_interval = progress_interval_seconds
         self._cancel_interval = cancel_check_interval_seconds
@@ -152,7 +154,16 @@ class KernelStageServices:
             return
         self._last_progress = mono
         self.pending_progress = None
-        if self.stage_pk is not None and self.item_index is None:
+        if self.item_token is not None:  # a map item: its own job row, fenced by its token
+            job_id, attempt = self.item_token
+            values = {"progress": progress, "progress_message": storable_text(message[:2000])}
+            retry_on_disconnect(
+                lambda: WorkflowJob.objects.filter(
+                    pk=job_id, status=Status.RUNNING, attempt=attempt
+                ).update(**values),
+                what="ctx.progress",
+            )
+        elif self.stage_pk is not None and self.item_index is None:
             fields = {
                 "progress": progress,
                 "progress_message": storable_text(message[:2000]),

@@ -220,7 +220,12 @@ def test_api_run_detail_shows_map_counts() -> None:
     client.force_authenticate(User.objects.create_superuser("root", "r@example.com", "x"))
     body = client.get(f"/api/workflows/runs/{result.run_id}/").json()
     stages = {s["stage_id"]: s for s in body["stages"]}
-    assert stages["square"]["items"] == {"total": 3, "completed": 2, "failed": 1}
+    assert stages["square"]["items"] == {
+        "total": 3,
+        "completed": 2,
+        "failed": 1,
+        "in_flight": [],  # every item settled
+    }
     assert stages["total"]["items"] is None
     events = client.get(f"/api/workflows/runs/{result.run_id}/events/").json()
     types = [e["event_type"] if "event_type" in e else e.get("type") for e in events["results"]]
@@ -240,7 +245,12 @@ def test_cli_run_show_prints_map_counts() -> None:
     out = io.StringIO()
     call_command("workflows_status", str(result.run_id), "--json", stdout=out)
     stages = {s["stage_id"]: s for s in json.loads(out.getvalue())["stages"]}
-    assert stages["square"]["items"] == {"total": 3, "completed": 2, "failed": 1}
+    assert stages["square"]["items"] == {
+        "total": 3,
+        "completed": 2,
+        "failed": 1,
+        "in_flight": [],  # every item settled
+    }
 
 
 def test_rerun_from_map_stage_recreates_items() -> None:
@@ -383,3 +393,39 @@ def test_lost_acknowledgement_of_an_item_outcome_is_reported_committed(
         (1, "COMPLETED", 1),
         (2, "COMPLETED", 1),
     ]
+
+
+SEEN: list[Any] = []
+
+
+@stage(id="report")
+def report(ctx: StageContext[Item]) -> Squared:
+    ctx.progress(40, f"item {ctx.input.n} half way")
+    record = WorkflowStage.objects.get(run_id=ctx.workflow_run_id, stage_id="report")
+    SEEN.append(record.items_in_flight())
+    return Squared(sq=ctx.input.n)
+
+
+def test_an_item_reports_its_own_progress_on_its_job() -> None:
+    """Each item's ``ctx.progress`` goes to its own job row (fenced by its token), and the map
+    stage lists the items in flight with it (admin run page, API ``items.in_flight``)."""
+    SEEN.clear()
+    fan_in = stage(id="count-reports", input=map_results(report), output=Total)(
+        lambda ctx: Total(total=0, count=len(ctx.input.items), failed=[])
+    )
+    wf = (
+        define_workflow(id="reports", input=Numbers)
+        .map(report, over=_items, max_concurrency=1)
+        .pipe(fan_in)
+        .build()
+    )
+    result = run_workflow(wf, {"numbers": [7, 8]})
+    assert result.status == "COMPLETED", result.error
+    assert SEEN == [
+        [{"index": 0, "progress": 40.0, "message": "item 7 half way"}],
+        [{"index": 1, "progress": 40.0, "message": "item 8 half way"}],
+    ]
+    jobs = WorkflowJob.objects.filter(workflow_run_id=result.run_id, stage_id="report")
+    assert sorted(jobs.values_list("item_index", "progress")) == [(0, 40.0), (1, 40.0)]
+    record = WorkflowStage.objects.get(run_id=result.run_id, stage_id="report")
+    assert record.items_in_flight() == []  # all settled: no query

@@ -297,7 +297,11 @@ class RunDetailView(WorkflowsAPIView):
                     "progress_message": st.progress_message or "",
                     "next_poll_at": st.next_poll_at,
                     "skip_reason": st.skip_reason,
-                    "items": st.items,
+                    "items": (
+                        {**st.items, "in_flight": st.items_in_flight()}
+                        if st.items is not None
+                        else None
+                    ),
                 }
                 for st in stages
             ],

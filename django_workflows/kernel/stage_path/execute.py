@@ -50,6 +50,8 @@ def execute(kernel: Kernel, delivery: Delivery) -> tuple[ExecutionOutcome, Kerne
         stage_pk=d.record.pk,
     )
     services.item_index = d.job.item_index
+    if d.job.item_index is not None:
+        services.item_token = (d.job.pk, d.job.attempt)
     interval = float(workflow_settings.HEARTBEAT_INTERVAL_SECONDS)
     timeout = timeouts.stage_timeout_seconds(d.node.stage)
     # Inside an enclosing transaction (a test's atomic block, the test kit) the lease is not

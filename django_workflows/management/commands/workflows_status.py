@@ -142,7 +142,9 @@ def run_document(
                 "next_poll_at": s.next_poll_at,
                 "error_message": s.error_message,
                 "skip_reason": s.skip_reason,
-                "items": s.items,
+                "items": (
+                    {**s.items, "in_flight": s.items_in_flight()} if s.items is not None else None
+                ),
                 "job": _job_document(jobs.get(s.stage_id)),
             }
             for s in stages
