@@ -41,6 +41,7 @@ from .definition.stage import (
     ChildSpec,
     Stage,
     WorkflowDefinitionError,
+    check_model_argument,
     define_async_batch_stage,
     seconds_error,
     validate_id,
@@ -95,6 +96,8 @@ def child_workflow(
             positive number (each naming the stage and the argument).
     """
     validate_id("stage", id)
+    check_model_argument(f"child_workflow {id!r}", "stage_input", stage_input)
+    check_model_argument(f"child_workflow {id!r}", "output", output)
     if isinstance(workflow, Workflow):
         child: Workflow | None = workflow
         workflow_id = workflow.id

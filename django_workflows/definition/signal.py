@@ -21,9 +21,11 @@ from .stage import (
     DEFAULT_QUEUE,
     Stage,
     WorkflowDefinitionError,
+    check_model_argument,
     define_async_batch_stage,
     format_validation_error,
     seconds_error,
+    validate_id,
 )
 
 #: A signal name: 1-200 characters, letters, digits and ``._:-``, starting with a letter or
@@ -134,6 +136,8 @@ def wait_for_signal(
         WorkflowDefinitionError: a bad signal name, timeout, ``on_timeout``, poll interval or a
             ``timeout_output`` that does not match ``payload``.
     """
+    validate_id("stage", id)  # a bad id is named as the id, not as the defaulted signal
+    check_model_argument(f"wait_for_signal {id!r}", "payload", payload)
     signal_name = id if signal is None else signal
     if not isinstance(signal_name, str) or not SIGNAL_NAME_PATTERN.match(signal_name):
         raise WorkflowDefinitionError(

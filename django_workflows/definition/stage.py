@@ -69,6 +69,16 @@ def validate_id(kind: str, value: object) -> str:
     return value
 
 
+def check_model_argument(owner: str, field: str, value: object) -> None:
+    """Raise :class:`WorkflowDefinitionError` naming ``owner`` and ``field`` unless ``value``
+    is ``None`` or a pydantic ``BaseModel`` subclass (for factories such as
+    ``wait_for_signal(payload=...)`` whose argument becomes a stage's model)."""
+    if value is not None and not (isinstance(value, type) and issubclass(value, BaseModel)):
+        raise WorkflowDefinitionError(
+            f"{owner}: {field} must be a pydantic BaseModel subclass or None, got {value!r}"
+        )
+
+
 def format_validation_error(error: ValidationError) -> str:
     """``path: message`` pairs joined by ``"; "`` (WF-42); the root path is ``(root)``."""
     parts = []

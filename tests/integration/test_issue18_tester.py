@@ -1,0 +1,98 @@
+"""Regressions found by trying issue 18's features as a new user (tester): bad inputs that
+surfaced as a database error or named the wrong argument."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from django_workflows import (
+    StageContext,
+    WorkflowDefinitionError,
+    define_workflow,
+    map_results,
+    stage,
+    wait_for_signal,
+)
+from django_workflows.children import child_workflow
+from django_workflows.models import WorkflowJob
+from django_workflows.testing import run_workflow
+
+
+class Item(BaseModel):
+    n: float
+
+
+@stage(id="double")
+def double(ctx: StageContext[Item]) -> dict[str, Any]:
+    return {"v": ctx.input.n * 2}
+
+
+@stage(id="collect")
+def collect(ctx: StageContext[map_results(double)]) -> dict[str, Any]:  # type: ignore[valid-type]
+    return {"n": len(ctx.input.items)}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("item", "problem"),
+    [
+        ({"n": float("nan")}, "NaN and Infinity are not JSON"),
+        ({"n": 1, "note": "a\x00b"}, "NUL character"),
+    ],
+)
+def test_a_map_item_the_database_cannot_store_fails_the_map_stage_naming_the_item(
+    item: dict[str, Any], problem: str
+) -> None:
+    """Was: the INSERT of the item jobs failed (SQLite: IntegrityError from the JSON CHECK),
+    the run FAILED with error_type ClaimFailed and no stage. Now: MapOverFailed on the map
+    stage, naming the item's index, and no item job written."""
+    flow = (
+        define_workflow(id="map-unstorable")
+        .map(double, over=lambda ctx: [{"n": 1}, item])
+        .pipe(collect)
+        .build()
+    )
+    result = run_workflow(flow)
+    assert result.status == "FAILED"
+    assert result.error["error_type"] == "MapOverFailed"
+    assert result.error["stage_id"] == "double"
+    assert "item 1 cannot be stored" in result.error["message"]
+    assert problem in result.error["message"]
+    assert not WorkflowJob.objects.filter(workflow_run_id=result.run_id, stage_id="double").exists()
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (
+            lambda: wait_for_signal(id="x", payload=dict),
+            "wait_for_signal 'x': payload must be a pydantic BaseModel subclass or None",
+        ),
+        (
+            # was: AttributeError ('dict' has no model_validate) from the timeout_output check
+            lambda: wait_for_signal(id="x", payload=dict, timeout_seconds=5, on_timeout="complete"),
+            "wait_for_signal 'x': payload must be a pydantic BaseModel subclass or None",
+        ),
+        (
+            # was: "signal: 'bad id' is not a valid signal name" (the defaulted signal name)
+            lambda: wait_for_signal(id="bad id"),
+            "Invalid stage id 'bad id'",
+        ),
+        (
+            lambda: child_workflow(id="c", workflow="x", input=lambda c: {}, output=dict),
+            "child_workflow 'c': output must be a pydantic BaseModel subclass or None",
+        ),
+        (
+            lambda: child_workflow(id="c", workflow="x", input=lambda c: {}, stage_input=5),
+            "child_workflow 'c': stage_input must be a pydantic BaseModel subclass or None",
+        ),
+    ],
+)
+def test_stage_factories_name_the_argument_that_is_not_a_model(make: Any, expected: str) -> None:
+    """Was: "Stage 'x': output_model must be ..." (an argument the caller never passed)."""
+    with pytest.raises(WorkflowDefinitionError) as caught:
+        make()
+    assert str(caught.value).startswith(expected)
