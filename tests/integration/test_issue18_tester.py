@@ -96,3 +96,47 @@ def test_stage_factories_name_the_argument_that_is_not_a_model(make: Any, expect
     with pytest.raises(WorkflowDefinitionError) as caught:
         make()
     assert str(caught.value).startswith(expected)
+
+
+DEEP_JSON = "[" * 5000 + "]" * 5000  # Python's json parser raises RecursionError on it
+
+
+@pytest.mark.django_db
+def test_the_admin_send_signal_form_rejects_json_nested_too_deeply(admin_client: Any) -> None:
+    """Was: a 500 page (RecursionError out of json.loads in the form's clean_payload)."""
+    from django.urls import reverse
+
+    from django_workflows.kernel import CreateRun
+    from django_workflows.models import WorkflowSignal
+    from django_workflows.testing import make_kernel
+
+    flow = define_workflow(id="deep-signal").pipe(wait_for_signal(id="go")).build()
+    run_id = make_kernel(flow).dispatch(CreateRun(workflow_id="deep-signal")).workflow_run_id
+    url = reverse("admin:django_workflows_workflowrun_signal", args=[run_id])
+    response = admin_client.post(url, {"confirm": "yes", "name": "go", "payload": DEEP_JSON})
+    assert response.status_code == 200
+    assert "not JSON: nested too deeply" in response.content.decode()
+    assert not WorkflowSignal.objects.exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["workflows_signal", "00000000-0000-0000-0000-000000000000", "go", "--payload"],
+            "--payload: not JSON: nested too deeply",
+        ),
+        (["workflows_run", "some-workflow", "--input"], "--input: invalid JSON (nested too deeply"),
+    ],
+)
+def test_commands_reject_json_nested_too_deeply_with_a_command_error(
+    argv: list[str], expected: str
+) -> None:
+    """Was: a RecursionError traceback from json.loads."""
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError) as caught:
+        call_command(*argv, DEEP_JSON)
+    assert str(caught.value).startswith(expected)
