@@ -19,6 +19,7 @@ from .context import CompletionContext, StageContext
 from .results import CompletionCheck, Suspend
 from .stage import (
     DEFAULT_QUEUE,
+    AnyInput,
     Stage,
     WorkflowDefinitionError,
     check_model_argument,
@@ -206,6 +207,7 @@ def wait_for_signal(
         id=id,
         name=name or f"Wait for {spec.name}",
         description=description or f"Waits for signal {spec.name!r} (send_signal)",
+        input=AnyInput,  # the previous group's output is not read: any value may precede it
         output=payload,
         execute=execute,
         check_completion=check,

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, RootModel, ValidationError
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
 from .noconfig import NoConfig
@@ -57,6 +57,13 @@ class NoInput(BaseModel):
     """The input model of a stage that takes no input: accepts any object, yields ``{}`` (WF-6)."""
 
     model_config = ConfigDict(extra="ignore")
+
+
+class AnyInput(RootModel[Any]):
+    """The input model of a built-in stage that does not read the previous group's output
+    (``wait_for_signal``; ``child_workflow`` without ``stage_input``): any JSON value,
+    object or not, kept as ``ctx.input.root``. ``NoInput`` would reject a non-object, so such
+    a stage placed after a stage returning a list or a number failed its run."""
 
 
 def validate_id(kind: str, value: object) -> str:

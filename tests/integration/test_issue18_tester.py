@@ -140,3 +140,35 @@ def test_commands_reject_json_nested_too_deeply_with_a_command_error(
     with pytest.raises(CommandError) as caught:
         call_command(*argv, DEEP_JSON)
     assert str(caught.value).startswith(expected)
+
+
+@pytest.mark.django_db
+def test_a_signal_wait_and_a_child_stage_may_follow_a_stage_that_returns_a_non_object() -> None:
+    """Was: both stages had the NoInput model, which rejects a non-object, so placed after a
+    stage returning a list or a number they failed the run with a ValidationError (child
+    workflows' docs promise "default: any input"). Now their default input is AnyInput."""
+    from django_workflows import define_stage
+
+    numbers = define_stage(id="numbers", execute=lambda ctx: [1, 2, 3])
+    waits = define_workflow(id="wait-after-list").pipe(numbers).pipe(wait_for_signal(id="go"))
+    result = run_workflow(waits.build(), signals=[("go", {"ok": True})])
+    assert result.status == "COMPLETED", result.error
+    assert result.output == {"ok": True}
+
+    kid = define_workflow(id="kid-of-list").pipe(define_stage(id="k", execute=lambda c: 7))
+    seen: list[Any] = []
+
+    def child_input(ctx: Any) -> dict[str, Any]:
+        seen.append(ctx.input.root)
+        return {}
+
+    parent = (
+        define_workflow(id="parent-of-list")
+        .pipe(numbers)
+        .pipe(child_workflow(id="c", workflow=kid.build(), input=child_input))
+        .build()
+    )
+    result = run_workflow(parent)
+    assert result.status == "COMPLETED", result.error
+    assert result.output == 7
+    assert seen[0] == [1, 2, 3]  # the previous output, as sent
