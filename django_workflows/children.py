@@ -38,9 +38,11 @@ from .definition.context import CompletionContext, StageContext
 from .definition.results import CompletionCheck, StageFailed, Suspend
 from .definition.stage import (
     DEFAULT_QUEUE,
+    AnyInput,
     ChildSpec,
     Stage,
     WorkflowDefinitionError,
+    check_model_argument,
     define_async_batch_stage,
     seconds_error,
     validate_id,
@@ -83,7 +85,8 @@ def child_workflow(
             workflow's input model; an invalid one fails the stage, not retried.
         config: the child run's config map ``{stage_id: {...}}`` (``None``: its defaults).
         name / description / dependencies / queue: as for any stage.
-        stage_input: this stage's own input model (default: any input).
+        stage_input: this stage's own input model (default: :class:`AnyInput`, any value,
+            as ``ctx.input.root``).
         output: the stage's output model (default: the child's last stage's output model
             when that group is a single stage with one; else any JSON).
         poll_interval_seconds: how often the parent looks at the child when no wake-up came
@@ -95,6 +98,8 @@ def child_workflow(
             positive number (each naming the stage and the argument).
     """
     validate_id("stage", id)
+    check_model_argument(f"child_workflow {id!r}", "stage_input", stage_input)
+    check_model_argument(f"child_workflow {id!r}", "output", output)
     if isinstance(workflow, Workflow):
         child: Workflow | None = workflow
         workflow_id = workflow.id
@@ -174,7 +179,7 @@ def child_workflow(
         id=id,
         name=name or id,
         description=description or f"Runs workflow {workflow_id!r} as a child run",
-        input=stage_input,
+        input=stage_input if stage_input is not None else AnyInput,
         output=output if output is not None else _last_output_model(child),
         execute=execute,
         check_completion=check,

@@ -15,7 +15,6 @@ Permissions (custom, created by migration 0006 and shared with the HTTP API,
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 
 from ..kernel.errors import WorkflowError
+from ..kernel.jsonvalue import loads_json
 
 APP_LABEL = "django_workflows"
 
@@ -145,7 +145,7 @@ class AnnotateForm(forms.Form):
     def clean_value(self) -> Any:
         text = self.cleaned_data["value"]
         try:
-            return json.loads(text)
+            return loads_json(text)
         except ValueError:
             return text
 
@@ -181,7 +181,7 @@ class SignalForm(forms.Form):
         if not text.strip():
             return None
         try:
-            return json.loads(text)
+            return loads_json(text)
         except ValueError as exc:
             raise forms.ValidationError(f"not JSON: {exc}") from None
 

@@ -19,11 +19,14 @@ from .context import CompletionContext, StageContext
 from .results import CompletionCheck, Suspend
 from .stage import (
     DEFAULT_QUEUE,
+    AnyInput,
     Stage,
     WorkflowDefinitionError,
+    check_model_argument,
     define_async_batch_stage,
     format_validation_error,
     seconds_error,
+    validate_id,
 )
 
 #: A signal name: 1-200 characters, letters, digits and ``._:-``, starting with a letter or
@@ -134,6 +137,8 @@ def wait_for_signal(
         WorkflowDefinitionError: a bad signal name, timeout, ``on_timeout``, poll interval or a
             ``timeout_output`` that does not match ``payload``.
     """
+    validate_id("stage", id)  # a bad id is named as the id, not as the defaulted signal
+    check_model_argument(f"wait_for_signal {id!r}", "payload", payload)
     signal_name = id if signal is None else signal
     if not isinstance(signal_name, str) or not SIGNAL_NAME_PATTERN.match(signal_name):
         raise WorkflowDefinitionError(
@@ -202,6 +207,7 @@ def wait_for_signal(
         id=id,
         name=name or f"Wait for {spec.name}",
         description=description or f"Waits for signal {spec.name!r} (send_signal)",
+        input=AnyInput,  # the previous group's output is not read: any value may precede it
         output=payload,
         execute=execute,
         check_completion=check,

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, RootModel, ValidationError
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
 from .noconfig import NoConfig
@@ -59,6 +59,13 @@ class NoInput(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class AnyInput(RootModel[Any]):
+    """The input model of a built-in stage that does not read the previous group's output
+    (``wait_for_signal``; ``child_workflow`` without ``stage_input``): any JSON value,
+    object or not, kept as ``ctx.input.root``. ``NoInput`` would reject a non-object, so such
+    a stage placed after a stage returning a list or a number failed its run."""
+
+
 def validate_id(kind: str, value: object) -> str:
     """Return ``value`` if it is a valid id, else raise :class:`WorkflowDefinitionError`."""
     if not isinstance(value, str) or not ID_PATTERN.match(value):
@@ -67,6 +74,16 @@ def validate_id(kind: str, value: object) -> str:
             "starting with a letter or digit"
         )
     return value
+
+
+def check_model_argument(owner: str, field: str, value: object) -> None:
+    """Raise :class:`WorkflowDefinitionError` naming ``owner`` and ``field`` unless ``value``
+    is ``None`` or a pydantic ``BaseModel`` subclass (for factories such as
+    ``wait_for_signal(payload=...)`` whose argument becomes a stage's model)."""
+    if value is not None and not (isinstance(value, type) and issubclass(value, BaseModel)):
+        raise WorkflowDefinitionError(
+            f"{owner}: {field} must be a pydantic BaseModel subclass or None, got {value!r}"
+        )
 
 
 def format_validation_error(error: ValidationError) -> str:

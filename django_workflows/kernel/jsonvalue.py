@@ -105,3 +105,18 @@ def json_type(value: Any) -> str:
     if isinstance(value, dict):
         return "object"
     return type(value).__name__
+
+
+def loads_json(text: str) -> Any:
+    """``json.loads(text)`` for text a person typed (a CLI option, an admin form field).
+
+    Raises:
+        json.JSONDecodeError: not JSON, or nested too deeply for Python's parser (which
+            would otherwise raise ``RecursionError`` and show a traceback or a 500 page).
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError(
+            "nested too deeply (more than about 900 levels of arrays and objects)", text, 0
+        ) from None

@@ -35,6 +35,7 @@ from ..definition.workflow import StageNode, Workflow
 from ..models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from . import events as ev
 from . import rows
+from .jsonvalue import storable_json_error
 from .store import duration_ms, load_outputs, run_error, stages_of, update_run, update_stage
 
 if TYPE_CHECKING:
@@ -106,9 +107,17 @@ def items_of(kernel: Kernel, workflow: Workflow, run: WorkflowRun, node: StageNo
             f"Map stage {sid!r}: over() returned {len(items)} items; at most {MAX_ITEMS}"
         )
     try:
-        return [to_json_value(item) for item in items]
+        values = [to_json_value(item) for item in items]
     except Exception as exc:
         raise _MapOverError(f"Map stage {sid!r}: an item is not JSON: {exc}") from exc
+    # NaN/Infinity, NUL characters and lone surrogates pass to_json_value but neither
+    # database stores them: name the item here instead of failing the INSERT (which surfaced
+    # as a database IntegrityError, error_type ClaimFailed, with no stage named).
+    for index, value in enumerate(values):
+        problem = storable_json_error(value)
+        if problem is not None:
+            raise _MapOverError(f"Map stage {sid!r}: item {index} cannot be stored: {problem}")
+    return values
 
 
 def expand(

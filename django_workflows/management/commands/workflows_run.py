@@ -30,6 +30,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_workflows.annotations import AnnotationError
 from django_workflows.conventions import published_key, with_published_types
 from django_workflows.kernel import AnnotationSpec, CreateRun, WorkflowError
+from django_workflows.kernel.jsonvalue import loads_json
 from django_workflows.kernel.runtime import get_kernel
 from django_workflows.models import (
     TERMINAL_RUN_STATUSES,
@@ -61,7 +62,7 @@ def load_json_argument(value: str | None, option: str) -> Any:
                 f"{option}: {path} is not UTF-8 text (byte {exc.start}: {exc.reason})"
             ) from None
     try:
-        return json.loads(text)
+        return loads_json(text)
     except json.JSONDecodeError as exc:
         raise CommandError(
             f"{option}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
@@ -176,7 +177,7 @@ class Command(BaseCommand):
             if not sep or not key:
                 raise CommandError(f"--annotate: expected KEY=VALUE, got {item!r}")
             try:
-                value: Any = json.loads(raw)
+                value: Any = loads_json(raw)
             except json.JSONDecodeError:
                 value = raw
             typed = published_key(key)

@@ -9,12 +9,12 @@ status 1, nothing written).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_workflows.kernel.errors import WorkflowError
+from django_workflows.kernel.jsonvalue import loads_json
 
 from ._common import parse_run_id_argument
 
@@ -45,7 +45,7 @@ class Command(BaseCommand):
         payload: Any = None
         if opts["payload"] is not None:
             try:
-                payload = json.loads(opts["payload"])
+                payload = loads_json(opts["payload"])
             except ValueError as exc:
                 raise CommandError(f"--payload: not JSON: {exc}") from None
         actor = opts["actor"] or _default_actor()
