@@ -41,14 +41,27 @@ class StrictCharField(serializers.CharField):
 
 
 class StrictCharFieldSchema(OpenApiSerializerFieldExtension):
-    """OpenAPI of :class:`StrictCharField`: a string without NUL (``pattern``), as enforced."""
+    """OpenAPI of :class:`StrictCharField`, as enforced: a string without NUL (``pattern``);
+    one that may not be blank needs a character that is not whitespace (DRF trims it first,
+    so ``" "`` is blank)."""
 
     target_class = StrictCharField
 
     def map_serializer_field(self, auto_schema: Any, direction: Any) -> Any:
         schema = auto_schema._map_serializer_field(self.target, direction, bypass_extensions=True)
-        schema.setdefault("pattern", "^[^\\u0000]*$")
+        field = self.target
+        if field.allow_blank or not field.trim_whitespace:
+            schema.setdefault("pattern", NO_NUL)
+        else:
+            schema.setdefault("pattern", NOT_BLANK)
+            schema.setdefault("minLength", 1)
         return schema
+
+
+#: Any string without NUL.
+NO_NUL = "^[^\\u0000]*$"
+#: A string without NUL holding a character that is not whitespace.
+NOT_BLANK = "^[^\\u0000]*[^\\s\\u0000][^\\u0000]*$"
 
 
 class StrictIntegerField(serializers.IntegerField):

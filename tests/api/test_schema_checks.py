@@ -26,3 +26,26 @@ def test_pagination_errors_do_not_repeat_the_field_name(
     body = response.json()
     assert body["message"].startswith(f"{field}: ")
     assert not body["errors"][field][0].startswith(f"{field}:")
+
+
+@pytest.mark.django_db
+def test_the_schema_calls_a_whitespace_only_required_string_invalid(admin_client: Any) -> None:
+    """DRF trims strings before its blank check, so ``" "`` in a required id is a 400: the
+    schema says so (schemathesis sent ``{"workflow_id": " "}`` as valid data); a field that
+    may be blank (a cancel reason) still takes it."""
+    import re
+
+    schema = admin_client.get("/api/workflows/schema/").json()
+    props = schema["components"]["schemas"]
+    create = next(s for name, s in props.items() if name.startswith("CreateRun"))
+    workflow_id = create["properties"]["workflow_id"]
+    assert workflow_id["minLength"] == 1
+    assert not re.search(workflow_id["pattern"], " \t")
+    assert not re.search(workflow_id["pattern"], "a\x00")
+    assert re.search(workflow_id["pattern"], " order ")
+    reason = props["Cancel"]["properties"]["reason"]  # may be blank: oneOf text | ""
+    assert re.search(reason["oneOf"][0]["pattern"], " ")
+    response = admin_client.post(
+        "/api/workflows/runs/", {"workflow_id": " "}, content_type="application/json"
+    )
+    assert response.status_code == 400 and response.json()["errors"]["workflow_id"]
