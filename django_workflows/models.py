@@ -181,7 +181,7 @@ class WorkflowStage(models.Model):
     progress_message = models.TextField(blank=True, default="")
     #: Why a SKIPPED stage did not run (issue 18: its ``when=`` was false, or another branch
     #: was chosen); ``""`` for every other status.
-    skip_reason = models.TextField(blank=True, default="")
+    skip_reason = models.TextField(blank=True, default="", db_default="")
     #: A map stage's items (issue 18 item 3): how many ``over`` returned, and how many have
     #: completed / failed for good; ``None`` on a plain stage. Updated in each item's outcome
     #: transaction; ``progress`` is settled / total.
