@@ -158,13 +158,9 @@ def begin(
     node = workflow.node(job.stage_id)
     if run is None or run.status != Status.RUNNING:
         status = run.status if run is not None else "DELETED"
-        kernel.queue.fail(
-            job.pk,
-            f"Workflow run {job.workflow_run_id} is {status}, not RUNNING; job not executed",
-            attempt=job.attempt,
-            max_attempts=job.max_attempts,
+        return _not_executed(
+            kernel, job, f"Workflow run {job.workflow_run_id} is {status}, not RUNNING; job"
         )
-        return None
     if records is None:
         records = stages_of(run.pk)
     record = next((r for r in records if r.stage_id == node.stage.id), None)
@@ -226,13 +222,9 @@ def _begin_item(
     """
     if record is None or record.status != Status.RUNNING:
         state = record.status if record is not None else "gone"
-        kernel.queue.fail(
-            job.pk,
-            f"Map stage {job.stage_id!r} is {state}; item {job.item_index} not executed",
-            attempt=job.attempt,
-            max_attempts=job.max_attempts,
+        return _not_executed(
+            kernel, job, f"Map stage {job.stage_id!r} is {state}; item {job.item_index}"
         )
-        return None
     known = outputs or {}
     return Delivery(
         job=job,
@@ -244,6 +236,14 @@ def _begin_item(
         outputs=earlier_outputs_of(kernel, node, records, known),
         resume_state=None,
         started_at=now,
+    )
+
+
+def _not_executed(kernel: Kernel, job: WorkflowJob, what: str) -> None:
+    """Fail a leased job whose body must not run (its run or map stage moved on), counting
+    the delivery; ``what`` names it ("... job", "... item 3"). Returns ``None`` (no delivery)."""
+    kernel.queue.fail(
+        job.pk, f"{what} not executed", attempt=job.attempt, max_attempts=job.max_attempts
     )
 
 
