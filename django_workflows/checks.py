@@ -108,6 +108,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
             )
     messages += check_routing()
     messages += check_queue_limits()
+    messages += check_wakeups()
     messages += check_stage_timeouts()
     for alias, db in settings.DATABASES.items():
         if db.get("ENGINE", "").endswith("sqlite3"):
@@ -188,6 +189,43 @@ def check_queue_limits() -> list[Any]:
             id="django_workflows.E030",
         )
     ]
+
+
+def check_wakeups() -> list[Any]:
+    """Wake-ups on ``NOTIFY`` (issue 19): E031 for ``WAKE_WITH_NOTIFY`` other than ``"auto"``,
+    ``True`` or ``False``, or ``True`` on a database that is not PostgreSQL; E032 for a negative
+    ``WORKER_LINGER_SECONDS`` or ``WORK_TASK_SECONDS``."""
+    from django.db import connection
+
+    messages: list[Any] = []
+    value = workflow_settings.WAKE_WITH_NOTIFY
+    if value not in ("auto", True, False):
+        messages.append(
+            Error(
+                "DJANGO_WORKFLOWS['WAKE_WITH_NOTIFY'] must be 'auto', True or False, "
+                f"not {value!r}",
+                id="django_workflows.E031",
+            )
+        )
+    elif value is True and connection.vendor != "postgresql":
+        messages.append(
+            Error(
+                "DJANGO_WORKFLOWS['WAKE_WITH_NOTIFY'] is True but the default database is "
+                f"{connection.vendor}, not PostgreSQL (LISTEN/NOTIFY needs PostgreSQL)",
+                hint="use 'auto' (NOTIFY on PostgreSQL only) or False",
+                id="django_workflows.E031",
+            )
+        )
+    for name in ("WORKER_LINGER_SECONDS", "WORK_TASK_SECONDS"):
+        seconds = getattr(workflow_settings, name)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+            messages.append(
+                Error(
+                    f"DJANGO_WORKFLOWS[{name!r}] must be a number of seconds >= 0, not {seconds!r}",
+                    id="django_workflows.E032",
+                )
+            )
+    return messages
 
 
 def check_routing() -> list[Any]:

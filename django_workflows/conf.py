@@ -66,8 +66,21 @@ DEFAULTS: dict[str, Any] = {
     # Plugins: dotted paths to objects made with ``define_plugin`` (EV-30).
     "PLUGINS": [],
     # Worker transport (django-q2)
-    # Ready jobs one wake-up task drains before it returns.
+    # Ready jobs one wake-up task drains before it returns (without NOTIFY), or per lease loop
+    # of a lingering task (with it; kernel/wakeup.py).
     "JOBS_PER_WAKEUP": 10,
+    # How wake-ups reach idle workers: "auto" (LISTEN/NOTIFY on PostgreSQL, django-q2 tasks
+    # elsewhere), True (PostgreSQL only; check E031) or False (always django-q2 tasks). With
+    # NOTIFY a wake-up rides the commit of the transaction that made the work (no broker
+    # row) and each worker process keeps one more connection, its listener (issue 19).
+    "WAKE_WITH_NOTIFY": "auto",
+    # With NOTIFY: how long (seconds) a django-q2 work task that found nothing to do waits for
+    # a notification before it returns and frees its django-q2 worker. 0: return at once.
+    # Lower it if the same django-q2 cluster also runs other tasks of yours.
+    "WORKER_LINGER_SECONDS": 30.0,
+    # With NOTIFY: how long (seconds) one work task keeps leasing while work is ready before
+    # it hands on to a new task (at most half of Q_CLUSTER['timeout']).
+    "WORK_TASK_SECONDS": 120.0,
     # The worker process holding the ticker lease runs maintenance ticks this often while a
     # run is PENDING or RUNNING (kernel/supervisor.py).
     "TICK_INTERVAL_SECONDS": 1.0,

@@ -43,6 +43,9 @@ def _test_settings(settings: Any) -> None:
         "TRANSPORT": "django_workflows.transport.inline.NullTransport",
         "HEARTBEAT_INTERVAL_SECONDS": 30.0,
         "INSTALL_SCHEDULE": False,
+        # In-process tests call the work task directly: it must not linger on a listener
+        # (tests/integration/test_wakeup.py turns NOTIFY on; real clusters use "auto").
+        "WAKE_WITH_NOTIFY": False,
     }
 
 

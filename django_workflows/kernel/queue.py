@@ -31,7 +31,7 @@ from ..conf import workflow_settings
 from ..definition.stage import DEFAULT_QUEUE, RetryPolicy
 from ..models import Status, WorkflowJob
 from ..ports import Clock, JobTransport
-from . import rows
+from . import rows, wakeup
 from .leases import LeaseClock
 from .locking import (
     VersionPairs,
@@ -144,9 +144,7 @@ class JobQueue:
         for job in jobs[1:] if reserve_for is not None else jobs:
             waiting[job.queue] = waiting.get(job.queue, 0) + 1
         for queue, count in waiting.items():
-            transaction.on_commit(
-                lambda q=queue, n=count: self.transport.wake_workers(n, queue=q)  # type: ignore[misc]
-            )
+            wakeup.wake_workers_at_commit(self.transport, count, queue)
         return jobs
 
     def dequeue(

@@ -41,13 +41,14 @@ import logging
 import os
 import sys
 import threading
+import time
 from dataclasses import asdict
 from typing import Any
 
 from django.db import close_old_connections
 
 from ..conf import workflow_settings
-from ..kernel import flusher, routing, timeouts
+from ..kernel import flusher, routing, timeouts, wakeup
 from ..kernel.hosting import (
     ProcessResult,
     default_worker_id,
@@ -89,8 +90,14 @@ def worker_id() -> str:
 
 
 def work(claim: bool = False) -> dict[str, Any]:
-    """django-q2 task: deliver up to ``JOBS_PER_WAKEUP`` jobs, continuing each run this worker
-    advances and claiming PENDING runs when no job is ready (:mod:`..kernel.delivery`).
+    """django-q2 task: lease and deliver jobs while work is ready, continuing each run this
+    worker advances and claiming PENDING runs when no job is ready (:mod:`..kernel.delivery`).
+
+    With wake-ups on ``NOTIFY`` (:mod:`..kernel.wakeup`, PostgreSQL) the task lingers: having
+    found no ready job it waits up to ``WORKER_LINGER_SECONDS`` for a notification and leases
+    again, and it keeps leasing for up to :func:`..kernel.wakeup.work_task_seconds`, then
+    hands on with one wake-up if work may be left. Without it the task makes up to
+    ``JOBS_PER_WAKEUP`` deliveries and hands leftover work to the next wake-up.
 
     Once the cluster is stopping (:func:`stop_signal`) no further job is leased and no next
     stage is continued; a wake-up taken after that returns at once, and either hands one
@@ -112,11 +119,58 @@ def work(claim: bool = False) -> dict[str, Any]:
     flusher.enable(kernel)
     queues = served_queues()
     limit = int(workflow_settings.JOBS_PER_WAKEUP)
-    result = process_available_jobs(kernel, worker_id(), max_jobs=limit, stop=stop, queues=queues)
-    if result.processed >= limit or stop.is_set():
+    listener = ensure_listener()
+    total = ProcessResult()
+    hand_on = False
+    if listener is None:
+        total = process_available_jobs(
+            kernel, worker_id(), max_jobs=limit, stop=stop, queues=queues
+        )
+        hand_on = total.processed >= limit or stop.is_set()
+    else:
+        linger = float(workflow_settings.WORKER_LINGER_SECONDS)
+        deadline = time.monotonic() + wakeup.work_task_seconds()
+        with listener.busy():
+            while True:
+                listener.clear()
+                done = process_available_jobs(
+                    kernel, worker_id(), max_jobs=limit, stop=stop, queues=queues
+                )
+                total.processed += done.processed
+                total.succeeded += done.succeeded
+                total.failed += done.failed
+                more = done.processed >= limit
+                if stop.is_set() or time.monotonic() >= deadline:
+                    hand_on = more or stop.is_set()
+                    break
+                if more:
+                    continue
+                wait = min(linger, deadline - time.monotonic())
+                if linger <= 0 or not listener.wait(wait, stop):
+                    hand_on = stop.is_set()
+                    break
+                close_old_connections()
+    if hand_on:
         for queue in sorted(queues):  # work may be left: hand it to the next free worker
             kernel.transport.wake_workers(1, queue=queue)
-    return asdict(result)
+    return asdict(total)
+
+
+def ensure_listener() -> wakeup.Listener | None:
+    """This worker process's wake-up listener (:class:`..kernel.wakeup.Listener`), started if
+    it is not running; ``None`` when wake-ups do not travel as ``NOTIFY``. A notification that
+    finds no ``work`` task running here becomes one django-q2 wake-up of this cluster.
+    """
+    cluster = own_cluster()
+    return wakeup.process_listener(cluster, lambda: _idle_wake(cluster))
+
+
+def _idle_wake(cluster: str) -> None:
+    if stop_signal().is_set():
+        return
+    transport = DjangoQTransport()
+    if transport._queued(cluster) < transport.max_pending_wakeups:
+        transport._send(WORK_TASK, cluster)
 
 
 def own_cluster() -> str:
@@ -274,6 +328,10 @@ def on_post_spawn(sender: Any = None, **kwargs: Any) -> None:
         ensure_supervisor(event)
     except Exception:  # never keep a worker from starting; the tasks start it lazily
         logger.exception("Could not start the workflow supervisor thread")
+    try:
+        ensure_listener()
+    except Exception:  # the tasks start it lazily; the tick re-wakes meanwhile
+        logger.exception("Could not start the wake-up listener")
 
 
 class DjangoQTransport:
@@ -303,11 +361,17 @@ class DjangoQTransport:
 
     def wake_workers(self, jobs: int, queue: str = routing.DEFAULT_QUEUE) -> None:
         """Send up to ``jobs`` ``work`` tasks to ``queue``'s cluster (at most
-        ``max_pending_wakeups`` queued there); none for a queue no cluster serves.
+        ``max_pending_wakeups`` queued there); none for a queue no cluster serves. With
+        wake-ups on ``NOTIFY`` (:func:`..kernel.wakeup.notify_enabled`) one notification of
+        that cluster instead (its lingering workers lease at once; an idle process turns it
+        into one task).
         """
         cluster = routing.cluster_of(queue)
         if cluster is None:
             logger.debug("No django-q2 cluster serves queue %r (QUEUES); no wake-up sent", queue)
+            return
+        if wakeup.notify_enabled():
+            self._notify(cluster)
             return
         count = min(jobs, self.max_pending_wakeups - self._queued(cluster))
         for _ in range(max(0, count)):
@@ -318,8 +382,31 @@ class DjangoQTransport:
         # max_pending_wakeups (each busy worker hands its leftover work on). Any worker
         # claims a run; its first jobs then wake their own queues' clusters.
         cluster = routing.default_cluster()
-        if self._queued(cluster) < self.max_pending_wakeups:
+        if wakeup.notify_enabled():
+            self._notify(cluster)
+        elif self._queued(cluster) < self.max_pending_wakeups:
             self._send(WORK_TASK, cluster)
+
+    def wake_in_transaction(self, jobs: int, queue: str | None = None) -> bool:
+        """Wake ``queue``'s workers (``None``: a claimer of the default cluster) from inside
+        the current transaction: with wake-ups on ``NOTIFY``, the notification rides its
+        commit (one statement, no commit of its own) and ``True`` is returned; otherwise
+        ``False`` and nothing is done (the caller wakes after commit).
+        """
+        from django.db import connection
+
+        if not connection.in_atomic_block or not wakeup.notify_enabled():
+            return False
+        cluster = routing.default_cluster() if queue is None else routing.cluster_of(queue)
+        if cluster is not None:
+            wakeup.notify(cluster)  # an error aborts the transaction: let it raise
+        return True
+
+    def _notify(self, cluster: str) -> None:
+        try:
+            wakeup.notify(cluster)
+        except Exception:  # a lost wake-up only delays work: the tick re-wakes
+            logger.exception("Could not notify cluster %s's workers", cluster)
 
     def wake_ticker(self) -> None:
         supervisor = current_supervisor()

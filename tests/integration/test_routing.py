@@ -236,6 +236,8 @@ class _Broker:
 
 
 def test_wake_ups_go_to_the_cluster_of_the_queue(routed_settings: Any, monkeypatch: Any) -> None:
+    """As django-q2 tasks (``WAKE_WITH_NOTIFY`` off; the NOTIFY path: test_wakeup.py)."""
+    monkeypatch.setattr(dq.wakeup, "notify_enabled", lambda: False)
     sent: list[tuple[str, str]] = []
     monkeypatch.setattr(
         "django_q.tasks.async_task",

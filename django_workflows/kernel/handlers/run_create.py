@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from django.db import transaction
-
 from ...models import Status, WorkflowRun
 from .. import events as ev
 from ..annotations import inputs_from_specs
@@ -26,6 +24,7 @@ from ..jsonvalue import json_type, storable_json_error
 from ..limits import concurrency_key_of
 from ..store import write_annotations
 from ..versions import ensure_stored
+from ..wakeup import wake_claimer_at_commit
 from .base import HandlerOutput
 
 if TYPE_CHECKING:
@@ -112,6 +111,6 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
     ensure_stored(workflow, now)  # no statement once this process stored the version
     events = [ev.event(ev.WORKFLOW_CREATED, run.pk, now, workflow_id=workflow.id)]
     events += write_annotations(run.pk, inputs, now=now)
-    transaction.on_commit(kernel.transport.wake_claimer)
+    wake_claimer_at_commit(kernel.transport)
     result = CreateRunResult(str(run.pk), Status.PENDING, CreateRunResult.request_of(cmd))
     return HandlerOutput(result, events)

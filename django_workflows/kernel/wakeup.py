@@ -1,0 +1,286 @@
+"""Waking idle workers with PostgreSQL ``LISTEN``/``NOTIFY`` (issue 19).
+
+Without it every commit that leaves a job for another worker (a parallel group's second stage,
+a new run) writes a django-q2 broker row, which the cluster's pusher polls for, a worker takes
+and the monitor deletes: three or four more commits per wake-up, and a latency of the broker's
+``poll`` interval. With it (``WAKE_WITH_NOTIFY``, on by default on PostgreSQL):
+
+* **Sender.** The transaction that enqueued the job (or created the run) also runs
+  ``SELECT pg_notify('django_workflows_wake', <cluster>)`` (:func:`notify`): one statement, no
+  commit of its own, delivered by PostgreSQL when that transaction commits and dropped with it
+  when it rolls back. No broker row is written.
+* **Listener.** Every worker process keeps one extra connection (``application_name``
+  ``django_workflows.listener``) that ``LISTEN``\\ s on the channel in a daemon thread
+  (:class:`Listener`); a notification for its cluster sets an event.
+* **Lingering worker.** A django-q2 ``work`` task that found no ready job does not return: it
+  waits up to ``WORKER_LINGER_SECONDS`` for that event and leases again when it is set, so a
+  busy or recently busy cluster needs no broker traffic at all. A task also keeps leasing while
+  work is ready (``JOBS_PER_WAKEUP`` per lease loop, the loop repeated until the task has run
+  for :func:`work_task_seconds`), then hands on with one wake-up.
+* **Idle process.** A notification that reaches a process not running a ``work`` task (its
+  linger ran out) is turned into one django-q2 wake-up by its listener (at most one per
+  :data:`IDLE_WAKE_INTERVAL_SECONDS` per process), so the old path remains the floor.
+
+A notification nobody hears (no worker process connected, a listener reconnecting) is not lost
+work: the job stays PENDING in our table, a reconnected listener wakes its process once, and the
+maintenance tick re-wakes ready jobs older than ``hosting.WAKE_AFTER_SECONDS``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, connections
+
+from ..conf import workflow_settings
+
+logger = logging.getLogger("django_workflows.worker")
+
+#: The ``LISTEN``/``NOTIFY`` channel; the payload is the django-q2 cluster name to wake.
+CHANNEL = "django_workflows_wake"
+#: ``application_name`` of the listener connections (seen in ``pg_stat_activity``).
+LISTENER_APPLICATION_NAME = "django_workflows.listener"
+#: A process not running a ``work`` task sends at most one django-q2 wake-up this often.
+IDLE_WAKE_INTERVAL_SECONDS = 1.0
+#: How long the listener blocks on its socket per look (seconds): its stop latency.
+LISTEN_POLL_SECONDS = 1.0
+#: Back-off of a listener whose connection failed (seconds, doubling).
+RECONNECT_MIN_SECONDS, RECONNECT_MAX_SECONDS = 0.5, 10.0
+
+
+def notify_enabled() -> bool:
+    """Whether wake-ups travel as ``NOTIFY`` (``WAKE_WITH_NOTIFY``: ``"auto"`` - on when the
+    default database is PostgreSQL -, ``True`` or ``False``).
+
+    Raises:
+        ImproperlyConfigured: ``WAKE_WITH_NOTIFY`` is ``True`` on a database that is not
+            PostgreSQL (system check E031 reports it at start-up).
+    """
+    value = workflow_settings.WAKE_WITH_NOTIFY
+    is_pg = connections[DEFAULT_DB_ALIAS].vendor == "postgresql"
+    if value == "auto":
+        return is_pg
+    if value and not is_pg:
+        from django.core.exceptions import ImproperlyConfigured
+
+        raise ImproperlyConfigured(
+            "DJANGO_WORKFLOWS['WAKE_WITH_NOTIFY'] is True but the default database is not "
+            "PostgreSQL (LISTEN/NOTIFY needs PostgreSQL); use 'auto' or False"
+        )
+    return bool(value)
+
+
+def notify(cluster: str) -> None:
+    """Ask the worker processes of django-q2 cluster ``cluster`` to lease: one
+    ``SELECT pg_notify(...)`` on the default connection. Inside a transaction PostgreSQL
+    delivers it at commit (and never, on rollback); outside one, at once. Duplicate
+    notifications of one transaction are folded into one by PostgreSQL.
+    """
+    with connections[DEFAULT_DB_ALIAS].cursor() as cursor:
+        cursor.execute("SELECT pg_notify(%s, %s)", [CHANNEL, cluster])
+
+
+def wake_workers_at_commit(transport: Any, jobs: int, queue: str) -> None:
+    """Wake ``jobs`` workers of ``queue`` once the current transaction commits: inside it when
+    the transport can (``wake_in_transaction``: a ``NOTIFY`` riding the commit), else with
+    ``transport.wake_workers`` from ``transaction.on_commit``."""
+    from django.db import transaction
+
+    early = getattr(transport, "wake_in_transaction", None)
+    if early is None or not early(jobs, queue):
+        transaction.on_commit(lambda: transport.wake_workers(jobs, queue=queue))
+
+
+def wake_claimer_at_commit(transport: Any) -> None:
+    """Wake one worker to claim a PENDING run once the current transaction commits (see
+    :func:`wake_workers_at_commit`)."""
+    from django.db import transaction
+
+    early = getattr(transport, "wake_in_transaction", None)
+    if early is None or not early(1, None):
+        transaction.on_commit(transport.wake_claimer)
+
+
+def work_task_seconds() -> float:
+    """How long one django-q2 ``work`` task keeps leasing before it hands on (seconds):
+    ``WORK_TASK_SECONDS``, at most half of django-q2's ``timeout`` (so a stage started near the
+    end still finishes well inside the task's timeout).
+    """
+    budget = float(workflow_settings.WORK_TASK_SECONDS)
+    try:
+        from django_q.conf import Conf
+
+        timeout = getattr(Conf, "TIMEOUT", None)
+    except Exception:  # pragma: no cover - django-q2 not importable
+        timeout = None
+    if timeout:
+        budget = min(budget, float(timeout) / 2)
+    return max(budget, 0.0)
+
+
+class Listener:
+    """One worker process's ``LISTEN`` connection, in a daemon thread.
+
+    Args:
+        cluster: the django-q2 cluster whose notifications concern this process.
+        idle_wake: called (from the listener thread) when a notification arrives while no
+            ``work`` task of this process is running (:meth:`busy`); sends a django-q2
+            wake-up. At most once per :data:`IDLE_WAKE_INTERVAL_SECONDS`.
+        connect: makes the connection (default: :func:`connect_listener`, from the default
+            database's settings); tests pass their own.
+    """
+
+    def __init__(
+        self,
+        cluster: str,
+        idle_wake: Callable[[], None],
+        connect: Callable[[], Any] | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self._idle_wake = idle_wake
+        self._connect = connect or connect_listener
+        self._event = threading.Event()
+        self._stop = threading.Event()
+        self._busy = 0
+        self._lock = threading.Lock()
+        self._last_idle_wake = float("-inf")
+        self._thread: threading.Thread | None = None
+        self.connected = threading.Event()
+        #: notifications received for this cluster (for tests and the bench)
+        self.received = 0
+
+    # -- the worker side ------------------------------------------------------------------
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """While inside, this process runs a ``work`` task: notifications only set the event."""
+        with self._lock:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
+
+    def clear(self) -> None:
+        """Forget earlier notifications; call before looking for work, so one that arrives
+        between the look and :meth:`wait` is not missed."""
+        self._event.clear()
+
+    def wait(self, seconds: float, stop: Any = None) -> bool:
+        """Wait up to ``seconds`` for a notification; ``False`` if none came or ``stop``
+        (anything with ``is_set()``) was set. Looks at ``stop`` every 0.2 s.
+        """
+        deadline = time.monotonic() + seconds
+        while True:
+            if stop is not None and stop.is_set():
+                return False
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if self._event.wait(min(remaining, 0.2)):
+                return not (stop is not None and stop.is_set())
+
+    # -- the thread -----------------------------------------------------------------------
+
+    def start(self) -> Listener:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(
+                target=self._run, name="django-workflows-listener", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        backoff = RECONNECT_MIN_SECONDS
+        while not self._stop.is_set():
+            conn = None
+            try:
+                conn = self._connect()
+                conn.execute(f"LISTEN {CHANNEL}")
+                self.connected.set()
+                backoff = RECONNECT_MIN_SECONDS
+                # Notifications sent while this connection was down are gone: look once.
+                self._notified()
+                while not self._stop.is_set():
+                    for note in conn.notifies(timeout=LISTEN_POLL_SECONDS):
+                        if note.payload == self.cluster:
+                            self._notified()
+            except Exception as exc:
+                self.connected.clear()
+                if self._stop.is_set():
+                    break
+                logger.warning(
+                    "Wake-up listener lost its connection (%s); reconnecting in %.1f s",
+                    exc,
+                    backoff,
+                )
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, RECONNECT_MAX_SECONDS)
+            finally:
+                self.connected.clear()
+                if conn is not None:
+                    try:
+                        conn.close()
+                    except Exception:
+                        pass
+
+    def _notified(self) -> None:
+        self.received += 1
+        self._event.set()
+        with self._lock:
+            if self._busy:
+                return
+            now = time.monotonic()
+            if now - self._last_idle_wake < IDLE_WAKE_INTERVAL_SECONDS:
+                return
+            self._last_idle_wake = now
+        try:
+            self._idle_wake()
+        except Exception:  # a lost wake-up only delays work: the tick re-wakes
+            logger.exception("Could not turn a notification into a django-q2 wake-up")
+
+
+def connect_listener() -> Any:
+    """A new autocommit psycopg connection to the default database (its settings and
+    ``OPTIONS``), named :data:`LISTENER_APPLICATION_NAME`."""
+    import psycopg
+
+    params = dict(connections[DEFAULT_DB_ALIAS].get_connection_params())
+    for key in ("cursor_factory", "context", "prepare_threshold"):
+        params.pop(key, None)
+    params.setdefault("application_name", LISTENER_APPLICATION_NAME)
+    params.setdefault("connect_timeout", 10)
+    return psycopg.connect(**params, autocommit=True)
+
+
+_listener: tuple[int, Listener] | None = None
+_listener_lock = threading.Lock()
+
+
+def process_listener(cluster: str, idle_wake: Callable[[], None]) -> Listener | None:
+    """This process's :class:`Listener` for ``cluster``, started on first use (made anew after
+    a fork); ``None`` when :func:`notify_enabled` is false."""
+    import os
+
+    global _listener
+    if not notify_enabled():
+        return None
+    with _listener_lock:
+        pid = os.getpid()
+        if _listener is None or _listener[0] != pid or _listener[1].cluster != cluster:
+            _listener = (pid, Listener(cluster, idle_wake))
+        return _listener[1].start()

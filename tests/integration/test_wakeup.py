@@ -1,0 +1,190 @@
+"""Wake-ups on PostgreSQL ``LISTEN``/``NOTIFY`` (issue 19, kernel/wakeup.py): a notification
+rides the commit of the transaction that made the work, a listener thread per worker process
+hears it, a lingering ``work`` task leases at once, and an idle process turns it into one
+django-q2 wake-up.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from django.core.checks import run_checks
+from django.db import connection, transaction
+from django.test import override_settings
+
+from django_workflows.kernel import wakeup
+from django_workflows.models import Status, WorkflowRun
+from django_workflows.transport import django_q as dq
+from tests.markers import postgres_only as requires_postgres
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def _notify_on(settings: Any) -> None:
+    settings.DJANGO_WORKFLOWS = {**settings.DJANGO_WORKFLOWS, "WAKE_WITH_NOTIFY": "auto"}
+
+
+def _settings(**values: Any) -> Any:
+    from django.conf import settings
+
+    return override_settings(DJANGO_WORKFLOWS={**settings.DJANGO_WORKFLOWS, **values})
+
+
+class _Heard:
+    """A second connection that LISTENs, as a worker's listener does."""
+
+    def __enter__(self) -> _Heard:
+        self.conn = wakeup.connect_listener()
+        self.conn.execute(f"LISTEN {wakeup.CHANNEL}")
+        return self
+
+    def payloads(self, timeout: float = 0.5) -> list[str]:
+        return [n.payload for n in self.conn.notifies(timeout=timeout)]
+
+    def __exit__(self, *exc: object) -> None:
+        self.conn.close()
+
+
+@requires_postgres
+def test_a_wake_up_rides_the_commit_and_dies_with_a_rollback() -> None:
+    transport = dq.DjangoQTransport()
+    with _Heard() as heard:
+        with transaction.atomic():
+            assert transport.wake_in_transaction(1, "default") is True
+            assert heard.payloads(timeout=0.2) == []  # not before the commit
+        assert heard.payloads() == ["workflows"]
+        with pytest.raises(RuntimeError):
+            with transaction.atomic():
+                transport.wake_in_transaction(1, "default")
+                raise RuntimeError("rolled back")
+        assert heard.payloads(timeout=0.3) == []
+
+
+@requires_postgres
+def test_with_notify_no_broker_row_is_written(monkeypatch: Any) -> None:
+    sent: list[str] = []
+    monkeypatch.setattr("django_q.tasks.async_task", lambda func, **kw: sent.append(func))
+    transport = dq.DjangoQTransport()
+    with _Heard() as heard:
+        transport.wake_workers(3, queue="default")
+        transport.wake_claimer()
+        assert heard.payloads() == ["workflows", "workflows"]
+    assert sent == []
+
+
+def test_outside_a_transaction_or_without_notify_the_caller_wakes_after_commit() -> None:
+    transport = dq.DjangoQTransport()
+    assert transport.wake_in_transaction(1, "default") is False  # no transaction
+    with _settings(WAKE_WITH_NOTIFY=False), transaction.atomic():
+        assert transport.wake_in_transaction(1, "default") is False
+
+
+@requires_postgres
+def test_the_listener_sets_its_event_and_wakes_an_idle_process_once() -> None:
+    idle_wakes: list[int] = []
+    listener = wakeup.Listener("workflows", lambda: idle_wakes.append(1)).start()
+    try:
+        assert listener.connected.wait(10)
+        assert listener.wait(5)  # the look after connecting
+        idle_wakes.clear()
+        with listener.busy():
+            listener.clear()
+            wakeup.notify("workflows")
+            assert listener.wait(5)
+            assert idle_wakes == []  # a running work task hears it: no django-q2 task
+            listener.clear()
+            wakeup.notify("other-cluster")
+            assert not listener.wait(0.5)
+        listener._last_idle_wake = float("-inf")
+        wakeup.notify("workflows")
+        wakeup.notify("workflows")  # within IDLE_WAKE_INTERVAL_SECONDS: folded
+        assert listener.wait(5)
+        deadline = threading.Event()
+        deadline.wait(0.3)
+        assert idle_wakes == [1]
+    finally:
+        listener.stop()
+
+
+@requires_postgres
+def test_a_listener_whose_connection_is_terminated_reconnects_and_looks_once() -> None:
+    listener = wakeup.Listener("workflows", lambda: None).start()
+    try:
+        assert listener.connected.wait(10)
+        first = listener.received
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND application_name = %s",
+                [wakeup.LISTENER_APPLICATION_NAME],
+            )
+        for _ in range(100):
+            if listener.received > first:
+                break
+            threading.Event().wait(0.1)
+        assert listener.received > first and listener.alive
+    finally:
+        listener.stop()
+
+
+@requires_postgres
+def test_a_lingering_work_task_leases_the_run_created_while_it_waits(monkeypatch: Any) -> None:
+    """``work`` found nothing, lingers, a run is created (its NOTIFY rides the create's commit)
+    and the same task delivers its stage, then returns when the stop is set."""
+    from datetime import UTC, datetime
+
+    from django_workflows import define_workflow
+    from django_workflows.kernel import CreateRun
+    from django_workflows.testing import make_kernel
+    from django_workflows.testing.clock import FakeClock
+    from tests.workflows import add
+
+    class RealClock(FakeClock):
+        def now(self) -> datetime:
+            return datetime.now(UTC)
+
+    workflow = define_workflow(id="linger").pipe(add(1, stage_id="a")).build()
+    kernel = make_kernel(
+        workflow, clock=RealClock(datetime.now(UTC)), transport=dq.DjangoQTransport()
+    )
+    monkeypatch.setattr(dq, "get_kernel", lambda: kernel)
+    monkeypatch.setattr(dq, "ensure_supervisor", lambda *a, **k: None)
+    monkeypatch.setattr(dq, "_stop", dq.StopSignal())
+    result: dict[str, Any] = {}
+
+    def task() -> None:
+        try:
+            result.update(dq.work())
+        finally:
+            connection.close()
+
+    with _settings(WORKER_LINGER_SECONDS=30.0):
+        listener = dq.ensure_listener()
+        assert listener is not None and listener.connected.wait(10)
+        thread = threading.Thread(target=task)
+        thread.start()
+        try:
+            run_id = kernel.dispatch(CreateRun("linger", {"value": 1})).workflow_run_id
+            for _ in range(200):
+                if WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED:
+                    break
+                threading.Event().wait(0.05)
+        finally:
+            dq.stop_signal().set()
+            thread.join(10)
+            listener.stop()
+    assert not thread.is_alive()
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED
+    assert result["processed"] == 1
+
+
+def test_bad_wake_settings_are_reported_by_the_checks() -> None:
+    with _settings(WAKE_WITH_NOTIFY="yes", WORKER_LINGER_SECONDS=-1):
+        ids = {m.id for m in run_checks()}
+    assert {"django_workflows.E031", "django_workflows.E032"} <= ids
+    if connection.vendor != "postgresql":
+        with _settings(WAKE_WITH_NOTIFY=True):
+            assert "django_workflows.E031" in {m.id for m in run_checks()}
