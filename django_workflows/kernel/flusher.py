@@ -116,20 +116,56 @@ class Flusher:
             connection.close()
 
     def _flush_all(self, kernel: Kernel) -> None:
+        """Take the ``outbox-flush`` lease once and publish pass after pass while events keep
+        coming (this process's commits wake it, other processes' show up in the next pass),
+        holding the lease until a pass finds nothing and no commit of this process follows
+        within :data:`HOLD_SECONDS`; a pass costs two statements, the lease two more per busy
+        period instead of per pass (issue 19).
+        """
         busy_passes = 0
         while True:
-            published = flush_outbox(kernel, self.owner)
-            if published is None:
-                # Another process holds the lease: it may finish its last pass before our
-                # events committed, so look again shortly (the tick is the backstop).
-                busy_passes += 1
-                if busy_passes > MAX_BUSY_PASSES or not _unpublished_waiting():
-                    return
-                if self._wake.wait(RETRY_SECONDS):
-                    self._wake.clear()
-                continue
-            if published < FLUSH_BATCH:
+            held = hold_and_flush(kernel, self.owner, self._wake, self._stop)
+            if held:
                 return
+            # Another process holds the lease: it may finish its last pass before our
+            # events committed, so look again shortly (the tick is the backstop).
+            busy_passes += 1
+            if busy_passes > MAX_BUSY_PASSES or not _unpublished_waiting():
+                return
+            if self._wake.wait(RETRY_SECONDS):
+                self._wake.clear()
+
+
+#: How long a flusher keeps the ``outbox-flush`` lease after a pass that found nothing,
+#: waiting for this process's next commit (a busy worker commits every few milliseconds).
+HOLD_SECONDS = 0.5
+
+
+def hold_and_flush(
+    kernel: Kernel, owner: str, wake: threading.Event, stop: threading.Event
+) -> bool:
+    """Publish under the ``outbox-flush`` lease until idle (see :meth:`Flusher._flush_all`);
+    ``False`` at once, publishing nothing, if another process holds the lease.
+    """
+    ttl = flush_lease_seconds()
+    if not leases.acquire_lease(kernel.lease_clock, FLUSH_LEASE, owner, ttl):
+        return False
+    try:
+        with leases.LeaseKeeper(
+            kernel, FLUSH_LEASE, owner, ttl, leases.lease_heartbeat_seconds(ttl)
+        ) as keeper:
+            while not keeper.lost:
+                published = int(kernel.dispatch(FlushOutbox(max_events=FLUSH_BATCH)).published)
+                if published >= FLUSH_BATCH:
+                    continue
+                if published == 0 and not wake.wait(HOLD_SECONDS):
+                    return True
+                wake.clear()
+                if stop.wait(COALESCE_SECONDS):  # one pass covers a burst of commits
+                    return True
+    finally:
+        leases.release_lease(FLUSH_LEASE, owner)
+    return True
 
 
 #: Retries of a flusher that finds the lease held (``RETRY_SECONDS`` apart) before it leaves
