@@ -121,6 +121,12 @@ def _database() -> dict:
 
 
 DATABASES = {"default": _database()}
+
+
+def _is_pg() -> bool:
+    return DATABASES["default"]["ENGINE"].endswith("postgresql")
+
+
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 USE_TZ = True
@@ -163,7 +169,11 @@ Q_CLUSTER = {
     "max_attempts": 1,
     "save_limit": -1,
     "ack_failures": True,
-    "poll": 0.2,
+    # How often the cluster's pusher polls the ORM broker (seconds). On PostgreSQL wake-ups
+    # travel as NOTIFY to lingering workers (DJANGO_WORKFLOWS["WAKE_WITH_NOTIFY"]), so this
+    # bounds only a cold start's latency and is the idle cluster's main cost (one query per
+    # poll); on SQLite every wake-up waits for it: 0.2 there.
+    "poll": float(os.environ.get("Q_POLL", "0.2" if not _is_pg() else "1.0")),
     "catch_up": False,
     "log_level": os.environ.get("Q_LOG_LEVEL", "WARNING"),
     # One named cluster per routed queue's cluster: start it with

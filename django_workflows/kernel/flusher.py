@@ -34,9 +34,11 @@ FLUSH_LEASE = "outbox-flush"
 FLUSH_BATCH = 500
 #: How long the flusher waits after a wake-up, so one pass covers a burst of commits (a
 #: busy worker commits every few milliseconds; each pass costs a handful of statements).
-COALESCE_SECONDS = 0.1
-#: How often a flusher retries while another holds the lease and events are waiting.
-RETRY_SECONDS = 0.25
+COALESCE_SECONDS = 0.2
+#: How often a flusher retries while another holds the lease and events are waiting: just
+#: over the holder's :data:`HOLD_SECONDS`, so the retry after the holder's last pass finds
+#: the lease free. Commits of this process meanwhile do not make it retry sooner.
+RETRY_SECONDS = 0.6
 
 
 def flush_lease_seconds() -> float:
@@ -132,8 +134,9 @@ class Flusher:
             busy_passes += 1
             if busy_passes > MAX_BUSY_PASSES or not _unpublished_waiting():
                 return
-            if self._wake.wait(RETRY_SECONDS):
-                self._wake.clear()
+            if self._stop.wait(RETRY_SECONDS):
+                return
+            self._wake.clear()
 
 
 #: How long a flusher keeps the ``outbox-flush`` lease after a pass that found nothing,
@@ -150,6 +153,7 @@ def hold_and_flush(
     ttl = flush_lease_seconds()
     if not leases.acquire_lease(kernel.lease_clock, FLUSH_LEASE, owner, ttl):
         return False
+    _holding.set()
     try:
         with leases.LeaseKeeper(
             kernel, FLUSH_LEASE, owner, ttl, leases.lease_heartbeat_seconds(ttl)
@@ -164,8 +168,18 @@ def hold_and_flush(
                 if stop.wait(COALESCE_SECONDS):  # one pass covers a burst of commits
                     return True
     finally:
+        _holding.clear()
         leases.release_lease(FLUSH_LEASE, owner)
     return True
+
+
+_holding = threading.Event()
+
+
+def holding() -> bool:
+    """Whether this process's flusher holds the ``outbox-flush`` lease right now (it then
+    publishes every process's events pass after pass; the tick need not try)."""
+    return _holding.is_set()
 
 
 #: Retries of a flusher that finds the lease held (``RETRY_SECONDS`` apart) before it leaves

@@ -40,6 +40,7 @@ from .connections import retry_on_disconnect
 from .delivery import Heartbeat as Heartbeat
 from .dispatch import Kernel
 from .flusher import flush_outbox
+from .flusher import holding as flusher_holding
 from .leases import LeaseKeeper as LeaseKeeper
 from .leases import lease_heartbeat_seconds as lease_heartbeat_seconds
 from .stage_path.lease import lease_job
@@ -210,7 +211,7 @@ def tick_lease_name(kernel: Kernel) -> str:
 WAKE_AFTER_SECONDS = 2.0
 
 
-def run_maintenance_tick(kernel: Kernel, worker_id: str) -> TickResult:
+def run_maintenance_tick(kernel: Kernel, worker_id: str, *, keep_lease: bool = False) -> TickResult:
     """One maintenance tick (H-10), each step in its own error boundary.
 
     Ticks of one deploy never overlap (Part I item 18): a tick that cannot take the
@@ -219,6 +220,11 @@ def run_maintenance_tick(kernel: Kernel, worker_id: str) -> TickResult:
     :func:`maintenance_lease_seconds` and is refreshed while the tick runs
     (:class:`LeaseKeeper`), so a tick may take longer than that, and a tick whose process died
     stops blocking the others after that long.
+
+    ``keep_lease``: do not give the lease up after the tick (the ticker duty, which ticks
+    again within ``TICK_INTERVAL_SECONDS``, releases it when it stops ticking:
+    :func:`release_tick_lease`); the next tick then renews it with one statement instead of
+    taking it anew with three (issue 19).
     """
     out = TickResult()
     if not connection.in_atomic_block:
@@ -240,10 +246,16 @@ def run_maintenance_tick(kernel: Kernel, worker_id: str) -> TickResult:
             with LeaseKeeper(kernel, name, worker_id, ttl, lease_heartbeat_seconds(ttl)):
                 _tick_steps(kernel, worker_id, out)
     finally:
-        retry_on_disconnect(
-            lambda: release_lease(name, worker_id), what="maintenance lease release"
-        )
+        if not keep_lease:
+            release_tick_lease(kernel, worker_id)
     return out
+
+
+def release_tick_lease(kernel: Kernel, worker_id: str) -> None:
+    """Give up ``worker_id``'s ``maintenance-tick`` lease of ``kernel``'s deploy (a no-op if it
+    holds none)."""
+    name = tick_lease_name(kernel)
+    retry_on_disconnect(lambda: release_lease(name, worker_id), what="maintenance lease release")
 
 
 def _tick_steps(kernel: Kernel, worker_id: str, out: TickResult) -> None:
@@ -285,6 +297,9 @@ def _tick_steps(kernel: Kernel, worker_id: str, out: TickResult) -> None:
             wake_ready_jobs(kernel, older_than_seconds=0.0)
 
     def flush() -> None:
+        if flusher_holding():  # this process's flusher is publishing everyone's events
+            out.flush_skipped = True
+            return
         published = flush_outbox(
             kernel, worker_id, max_events=int(workflow_settings.MAX_OUTBOX_FLUSH_PER_TICK)
         )

@@ -165,6 +165,8 @@ class TickerDuty:
         self._next_tick = 0.0
         self._next_renew = 0.0
         self.schedules_synced = False
+        #: the kernel of the last tick, whose ``maintenance-tick`` lease is kept between ticks
+        self._tick_kernel: Kernel | None = None
         self._lock = threading.Lock()
 
     def poke(self) -> None:
@@ -203,7 +205,8 @@ class TickerDuty:
                 from .hosting import run_maintenance_tick
 
                 live = _has_live_work()  # read before the tick: its flush covers the last run
-                tick = run_maintenance_tick(kernel, self.owner)
+                tick = run_maintenance_tick(kernel, self.owner, keep_lease=True)
+                self._tick_kernel = kernel
                 self.ticks += 1
                 self._next_tick = now + float(workflow_settings.TICK_INTERVAL_SECONDS)
                 # A tick or flush skipped because another process holds its lease (maybe a
@@ -240,6 +243,11 @@ class TickerDuty:
 
     def _drop(self, *, release: bool) -> None:
         self.holding = False
+        kernel, self._tick_kernel = self._tick_kernel, None
+        if kernel is not None:  # the ticks kept their maintenance-tick lease
+            from .hosting import release_tick_lease
+
+            release_tick_lease(kernel, self.owner)
         if release:
             leases.release_lease(self._held_name, self.owner)
 

@@ -38,6 +38,7 @@ def acceptance_env(database_url: str, var_dir: Path, **extra: str) -> dict[str, 
         DJANGO_SETTINGS_MODULE="example_project.settings",
         Q_WORKERS="2",
         WORKFLOWS_TICK_INTERVAL="0.2",
+        Q_POLL="0.2",
         PYTHONUNBUFFERED="1",
     )
     env.update(extra)

@@ -32,6 +32,7 @@ HOST_ENV = {
     "WORKFLOWS_STALE_LEASE_SECONDS": "5",
     "WORKFLOWS_HEARTBEAT_SECONDS": "1",
     "WORKFLOWS_TICK_INTERVAL": "0.2",
+    "Q_POLL": "0.2",
     "Q_WORKERS": "2",
     "Q_LOG_LEVEL": "INFO",
     # Stage routing (scenario h): the "gpu" queue is served by django-q2 cluster "gpu".

@@ -12,6 +12,7 @@ import pytest
 from django_workflows.kernel import CreateRun, flusher, leases
 from django_workflows.models import OutboxEvent
 from django_workflows.testing import CollectingSink, make_kernel
+from tests.markers import postgres_only
 from tests.workflows import two_stage
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -67,6 +68,7 @@ def test_a_flusher_that_finds_the_lease_held_leaves_the_events_to_the_holder() -
     assert [e["type"] for e in sink.events] == ["workflow:created"]
 
 
+@postgres_only  # SQLite's shared in-memory test database locks tables across threads
 def test_one_busy_period_takes_the_flush_lease_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 19: a flusher keeps the ``outbox-flush`` lease across passes while this process
     keeps committing (two statements per pass instead of four), and gives it up once idle."""

@@ -114,8 +114,8 @@ def test_ticker_flushes_the_events_of_a_run_that_ended_after_its_last_tick(
     real_tick = hosting.run_maintenance_tick
     calls: list[int] = []
 
-    def tick_then_cancel(k: Kernel, owner: str) -> Any:
-        out = real_tick(k, owner)
+    def tick_then_cancel(k: Kernel, owner: str, **kwargs: Any) -> Any:
+        out = real_tick(k, owner, **kwargs)
         calls.append(1)
         if len(calls) == 1:  # the run ends between the flush and the ticker's next check
             k.dispatch(CancelRun(run_id, reason="after the flush"))
@@ -134,3 +134,31 @@ def test_ticker_flushes_the_events_of_a_run_that_ended_after_its_last_tick(
     assert not OutboxEvent.objects.filter(published_at=None).exists()
     assert sink.types(run_id)[-1] == "workflow:cancelled"
     assert not MaintenanceLease.objects.exists()  # both leases released
+
+
+def test_the_ticker_keeps_its_maintenance_tick_lease_between_ticks(
+    kernel_for: Callable[..., Kernel],
+) -> None:
+    """Issue 19: while runs are live the ticker duty's ticks renew one ``maintenance-tick``
+    lease (one UPDATE each) instead of taking and deleting it per tick; the lease is given up
+    with the ticker lease once nothing is live."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    kernel = kernel_for(two_stage())
+    run_id = kernel.dispatch(CreateRun("two-stage", {"value": 1})).workflow_run_id
+    duty = TickerDuty(lambda: kernel, "ticker-1")
+    with CaptureQueriesContext(connection) as queries:
+        for now in (0.0, 1.0, 2.0, 3.0):
+            duty.run(now)
+    lease_sql = [q["sql"] for q in queries if "workflow_maintenance_leases" in q["sql"]]
+    tick_name = tick_lease_name(kernel)
+    inserts = [s for s in lease_sql if s.startswith("INSERT") and tick_name in s]
+    deletes = [s for s in lease_sql if s.startswith("DELETE") and tick_name in s]
+    assert duty.ticks == 4 and len(inserts) == 1 and deletes == []
+    assert MaintenanceLease.objects.filter(name=tick_name, owner="ticker-1").exists()
+    kernel.dispatch(CancelRun(run_id, reason="done"))
+    for now in (4.0, 5.0, 6.0):
+        duty.run(now)
+    assert duty.holding is False
+    assert not MaintenanceLease.objects.filter(name=tick_name).exists()
