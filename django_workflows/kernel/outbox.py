@@ -26,23 +26,26 @@ _BUMP_SQL = (
 )
 
 
-def _reserve_sequences(run_id: Any, count: int, now: datetime) -> int:
+def _reserve_sequences(run_id: Any, count: int, now: datetime, *, bump: bool = True) -> int:
     """Bump the run's ``event_sequence`` by ``count`` and return the new value (one statement).
 
     The UPDATE takes the run's row lock (if the caller does not hold it already), so two
     appenders of one run are serialised and their sequences never overlap or leave gaps. It
     also stamps ``updated_at`` (an appended event is activity on the run); ``version`` stays,
-    as the counter is bookkeeping, not a change of the run's state.
+    as the counter is bookkeeping, not a change of the run's state. ``bump=False``: the
+    caller's statement has just found no run row; go straight to the fallback below.
     """
-    meta = WorkflowRun._meta
-    params = [
-        count,
-        meta.get_field("updated_at").get_db_prep_value(now, connection),
-        meta.pk.get_db_prep_value(uuid.UUID(str(run_id)), connection),
-    ]
-    with connection.cursor() as cursor:
-        cursor.execute(_BUMP_SQL, params)
-        row = cursor.fetchone()
+    row = None
+    if bump:
+        meta = WorkflowRun._meta
+        params = [
+            count,
+            meta.get_field("updated_at").get_db_prep_value(now, connection),
+            meta.pk.get_db_prep_value(uuid.UUID(str(run_id)), connection),
+        ]
+        with connection.cursor() as cursor:
+            cursor.execute(_BUMP_SQL, params)
+            row = cursor.fetchone()
     if row is None:
         # No run row (deleted by an operator, or events of a run this database does not hold):
         # continue after the outbox's last row, serialised per run by an advisory lock.
@@ -91,7 +94,7 @@ def append_events(events: Iterable[dict[str, Any]], causation_id: str, now: date
     by_run: dict[str, list[dict[str, Any]]] = {}
     for ev in events:
         by_run.setdefault(str(ev["workflow_run_id"]), []).append(ev)
-    one_statement = connection.vendor == "postgresql"
+    one_statement = _has_writable_ctes()
     new: list[OutboxEvent] = []
     for run_id, run_events in by_run.items():
         unsequenced = [
@@ -109,7 +112,7 @@ def append_events(events: Iterable[dict[str, Any]], causation_id: str, now: date
         ]
         if one_statement and _append_sequenced(run_id, unsequenced, now):
             continue
-        last = _reserve_sequences(run_id, len(unsequenced), now)
+        last = _reserve_sequences(run_id, len(unsequenced), now, bump=not one_statement)
         first = last - len(unsequenced) + 1
         for offset, obj in enumerate(unsequenced):
             obj.sequence = first + offset
@@ -120,6 +123,11 @@ def append_events(events: Iterable[dict[str, Any]], causation_id: str, now: date
     rows.insert(new)
     transaction.on_commit(_events_committed)
     return len(events)
+
+
+def _has_writable_ctes() -> bool:
+    """Whether this database runs an UPDATE inside a CTE (PostgreSQL; SQLite does not)."""
+    return connection.vendor == "postgresql"
 
 
 #: :func:`_append_sequenced`'s SQL parts, built once per process (PostgreSQL only).
