@@ -26,23 +26,26 @@ _BUMP_SQL = (
 )
 
 
-def _reserve_sequences(run_id: Any, count: int, now: datetime) -> int:
+def _reserve_sequences(run_id: Any, count: int, now: datetime, *, bump: bool = True) -> int:
     """Bump the run's ``event_sequence`` by ``count`` and return the new value (one statement).
 
     The UPDATE takes the run's row lock (if the caller does not hold it already), so two
     appenders of one run are serialised and their sequences never overlap or leave gaps. It
     also stamps ``updated_at`` (an appended event is activity on the run); ``version`` stays,
-    as the counter is bookkeeping, not a change of the run's state.
+    as the counter is bookkeeping, not a change of the run's state. ``bump=False``: the
+    caller's statement has just found no run row; go straight to the fallback below.
     """
-    meta = WorkflowRun._meta
-    params = [
-        count,
-        meta.get_field("updated_at").get_db_prep_value(now, connection),
-        meta.pk.get_db_prep_value(uuid.UUID(str(run_id)), connection),
-    ]
-    with connection.cursor() as cursor:
-        cursor.execute(_BUMP_SQL, params)
-        row = cursor.fetchone()
+    row = None
+    if bump:
+        meta = WorkflowRun._meta
+        params = [
+            count,
+            meta.get_field("updated_at").get_db_prep_value(now, connection),
+            meta.pk.get_db_prep_value(uuid.UUID(str(run_id)), connection),
+        ]
+        with connection.cursor() as cursor:
+            cursor.execute(_BUMP_SQL, params)
+            row = cursor.fetchone()
     if row is None:
         # No run row (deleted by an operator, or events of a run this database does not hold):
         # continue after the outbox's last row, serialised per run by an advisory lock.
@@ -78,9 +81,11 @@ def append_events(events: Iterable[dict[str, Any]], causation_id: str, now: date
 
     ``causation_id``: every event's, except an event marked by :func:`caused_by`.
 
-    Per run, one ``UPDATE ... RETURNING`` reserves the next ``len(events)`` sequence numbers on
-    the run row (EV-3) and one bulk INSERT writes all rows. Must be called inside
-    ``transaction.atomic()``.
+    Per run, the next ``len(events)`` sequence numbers are reserved on the run row (EV-3,
+    serialised by its row lock) and the rows written: on PostgreSQL in one statement (the
+    ``UPDATE ... RETURNING`` in a CTE feeding the ``INSERT``, :func:`_append_sequenced`), on
+    SQLite (no DML in CTEs) one ``UPDATE ... RETURNING`` per run and one bulk INSERT of all
+    rows. Must be called inside ``transaction.atomic()``.
     """
     events = list(events)
     if not events:
@@ -89,26 +94,106 @@ def append_events(events: Iterable[dict[str, Any]], causation_id: str, now: date
     by_run: dict[str, list[dict[str, Any]]] = {}
     for ev in events:
         by_run.setdefault(str(ev["workflow_run_id"]), []).append(ev)
+    one_statement = _has_writable_ctes()
     new: list[OutboxEvent] = []
     for run_id, run_events in by_run.items():
-        last = _reserve_sequences(run_id, len(run_events), now)
-        first = last - len(run_events) + 1
-        new.extend(
+        unsequenced = [
             rows.new(
                 OutboxEvent,
                 created_at=now,
                 workflow_run_id=run_id,
-                sequence=first + offset,
+                sequence=0,  # set below (or by the statement)
                 event_type=ev["type"],
                 causation_id=ev.pop(_CAUSATION_KEY, causation_id),
                 payload=ev,
                 occurred_at=now,
             )
-            for offset, ev in enumerate(run_events)
-        )
+            for ev in run_events
+        ]
+        if one_statement and _append_sequenced(run_id, unsequenced, now):
+            continue
+        last = _reserve_sequences(run_id, len(unsequenced), now, bump=not one_statement)
+        first = last - len(unsequenced) + 1
+        for offset, obj in enumerate(unsequenced):
+            obj.sequence = first + offset
+        if one_statement:  # the run row is missing (rare): this run's rows now, in order
+            rows.insert(unsequenced)
+        else:
+            new.extend(unsequenced)
     rows.insert(new)
     transaction.on_commit(_events_committed)
-    return len(new)
+    return len(events)
+
+
+def _has_writable_ctes() -> bool:
+    """Whether this database runs an UPDATE inside a CTE (PostgreSQL; SQLite does not)."""
+    return connection.vendor == "postgresql"
+
+
+#: :func:`_append_sequenced`'s SQL parts, built once per process (PostgreSQL only).
+_sequenced_shape: tuple[str, str, str, list[Any]] | None = None
+
+
+def _sequenced_sql() -> tuple[str, str, str, list[Any]]:
+    """``(head, row, tail, fields)`` of :func:`_append_sequenced`'s statement: ``head`` up to the
+    ``VALUES`` list (``{n}`` for the event count), ``row`` one row's placeholders (its
+    ordinal, then every column but the id and ``sequence``, each cast to its column's type -
+    strings to ``text``, so an over-long value still fails the column's length check as a
+    plain INSERT would, never truncated), ``tail`` after it, and the fields in row order.
+    """
+    global _sequenced_shape
+    if _sequenced_shape is None:
+        q = connection.ops.quote_name
+        meta = OutboxEvent._meta
+        fields = [f for f in meta.concrete_fields if not f.primary_key and f.attname != "sequence"]
+        casts = [
+            "text" if f.get_internal_type() in ("CharField", "TextField") else f.db_type(connection)
+            for f in fields
+        ]
+        aliases = [f"c{i}" for i in range(len(fields))]
+        head = (
+            f"WITH s AS (UPDATE {q(WorkflowRun._meta.db_table)} "
+            "SET event_sequence = event_sequence + {n}, updated_at = %s "
+            "WHERE id = %s RETURNING event_sequence) "
+            f"INSERT INTO {q(meta.db_table)} ({', '.join(q(f.column) for f in fields)}, "
+            f"{q(meta.get_field('sequence').column)}) "
+            f"SELECT {', '.join('v.' + a for a in aliases)}, s.event_sequence - {{n}} + v.ord "
+            "FROM s CROSS JOIN (VALUES "
+        )
+        row = "(%s::integer, " + ", ".join(f"CAST(%s AS {c})" for c in casts) + ")"
+        tail = f") AS v(ord, {', '.join(aliases)}) ORDER BY v.ord"
+        _sequenced_shape = (head, row, tail, fields)
+    return _sequenced_shape
+
+
+def _append_sequenced(run_id: Any, objs: list[OutboxEvent], now: datetime) -> bool:
+    """PostgreSQL: reserve ``len(objs)`` sequence numbers on the run row and insert the rows
+    numbered from them, in one statement (a writable CTE: the run's ``UPDATE ... RETURNING``
+    feeds the ``INSERT ... SELECT``). The UPDATE takes the run's row lock as
+    :func:`_reserve_sequences` does (appenders of one run are serialised, sequences gap-free,
+    ``updated_at`` stamped, ``version`` kept). Values are prepared by their fields as
+    :func:`.rows.insert` prepares them. Returns ``False`` (nothing written) when the run row
+    is missing: the caller falls back to :func:`_reserve_sequences`.
+    """
+    head, row, tail, fields = _sequenced_sql()
+    n = len(objs)
+    meta = WorkflowRun._meta
+    params: list[Any] = [
+        meta.get_field("updated_at").get_db_prep_value(now, connection),
+        meta.pk.get_db_prep_value(uuid.UUID(str(run_id)), connection),
+    ]
+    for ordinal, obj in enumerate(objs, start=1):
+        params.append(ordinal)
+        d = obj.__dict__
+        params += [f.get_db_prep_save(d[f.attname], connection) for f in fields]
+    sql = head.format(n=n) + ", ".join([row] * n) + tail
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        inserted = cursor.rowcount
+    if inserted == 0:
+        return False
+    assert inserted == n, f"appended {inserted} of {n} events"
+    return True
 
 
 #: Called after every commit that appended events (:mod:`.flusher` adds the wake-up of this

@@ -87,6 +87,23 @@ def create_missing_stages(
     they are (EC-3). ``records``: the run's records when the caller has already read them.
     Returns the records of ``nodes``, existing or new, in node order.
     """
+    out, new = plan_missing_stages(run, nodes, generation=generation, now=now, records=records)
+    rows.insert(new)
+    return out
+
+
+def plan_missing_stages(
+    run: WorkflowRun,
+    nodes: Sequence[StageNode],
+    *,
+    generation: int,
+    now: datetime,
+    records: Iterable[WorkflowStage] | None = None,
+) -> tuple[list[WorkflowStage], list[WorkflowStage]]:
+    """:func:`create_missing_stages` without its INSERT: ``(records of nodes in node order,
+    the new ones)``; the new ones are PENDING and unsaved (the caller inserts them, with
+    :func:`.rows.insert`, after it may have started one, :func:`mark_started`).
+    """
     ids = {n.stage.id for n in nodes}
     if records is None:
         records = stages_of(run.pk)
@@ -109,9 +126,39 @@ def create_missing_stages(
         for n in nodes
         if n.stage.id not in existing
     ]
-    rows.insert(new)
     existing.update({s.stage_id: s for s in new})
-    return [existing[n.stage.id] for n in nodes]
+    return [existing[n.stage.id] for n in nodes], new
+
+
+def started_fields(now: datetime) -> dict[str, Any]:
+    """The columns phase 1 sets on the stage record it starts (K-JE-6): RUNNING from ``now``,
+    the previous execution's end, error, suspension and progress cleared (Part I item 9).
+    """
+    return dict(
+        status=Status.RUNNING,
+        started_at=now,
+        completed_at=None,
+        duration_ms=None,
+        error_message=None,
+        suspended_state=None,
+        next_poll_at=None,
+        poll_interval_ms=None,
+        max_wait_until=None,
+        progress=None,
+        progress_message="",
+    )
+
+
+def mark_started(record: WorkflowStage, now: datetime) -> None:
+    """Start an unsaved new record (from :func:`plan_missing_stages`) before its INSERT, so it
+    is inserted RUNNING: exactly the row that inserting it PENDING and then starting it with
+    :func:`update_stage` (:func:`started_fields`, ``version`` + 1, ``updated_at``) at ``now``
+    would leave, in one statement instead of two.
+    """
+    for name, value in started_fields(now).items():
+        setattr(record, name, value)
+    record.version += 1
+    record.updated_at = now
 
 
 def load_outputs(blobs: BlobStore, records: Iterable[WorkflowStage]) -> dict[str, Any]:

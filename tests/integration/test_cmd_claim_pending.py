@@ -233,12 +233,13 @@ def _break_claim_of(monkeypatch: pytest.MonkeyPatch, victim: uuid.UUID, how: str
     ``python``: a plain exception. ``database``: a real unique-constraint violation from the
     database, which on PostgreSQL aborts the transaction unless a savepoint isolates it (EC-26).
     """
-    real = run_claim_pending.create_missing_stages
+    real = run_claim_pending.open_stages  # the group's records and jobs (issue 19)
 
-    def create_missing_stages(run: WorkflowRun, nodes: Any, **kwargs: Any) -> Any:
-        records = real(run, nodes, **kwargs)
+    def open_stages(queue: Any, run: WorkflowRun, nodes: Any, **kwargs: Any) -> Any:
+        opened = real(queue, run, nodes, **kwargs)
         if run.pk != victim:
-            return records
+            return opened
+        records = opened.records
         if how == "python":
             raise RuntimeError("stage store exploded")
         duplicate = WorkflowStage(
@@ -251,9 +252,9 @@ def _break_claim_of(monkeypatch: pytest.MonkeyPatch, victim: uuid.UUID, how: str
             execution_group=1,
         )
         WorkflowStage.objects.bulk_create([duplicate])  # (run, stage_id) is unique
-        return records
+        return opened
 
-    monkeypatch.setattr(run_claim_pending, "create_missing_stages", create_missing_stages)
+    monkeypatch.setattr(run_claim_pending, "open_stages", open_stages)
 
 
 @pytest.mark.parametrize("how", ["python", "database"])

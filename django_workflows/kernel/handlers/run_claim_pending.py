@@ -23,7 +23,7 @@ from ..locking import claim_next_pending_run
 from ..stage_path.conditions import open_groups
 from ..stage_path.transition import advance_new_group
 from ..store import create_missing_stages, run_error, update_run, write_log
-from .base import HandlerOutput, enqueue_stage_jobs
+from .base import HandlerOutput, open_stages
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -41,6 +41,9 @@ class StartedRun:
     claimed: ClaimedRun
     jobs: list[WorkflowJob]
     records: list[WorkflowStage]
+    #: The leased job's record, inserted RUNNING (:func:`.base.open_stages`): pass it to
+    #: :func:`..stage_path.lease.begin` as ``started``. ``None``: begin starts the record.
+    started: WorkflowStage | None = None
 
 
 #: ``run.error["error_type"]`` of a run failed when it was claimed, by ``output.error`` code.
@@ -122,10 +125,19 @@ def start_claimed_run(
         return _start_conditional(
             kernel, workflow, run, worker_id, events, now, reserve_for, serves
         )
+    started_record: WorkflowStage | None = None
     try:
         with transaction.atomic():  # savepoint: Part I item 2
-            records = create_missing_stages(run, workflow.stages_in_group(1), generation=0, now=now)
-            if workflow.has_maps:  # issue 18 item 3: fan out a map stage (or settle it)
+            if not workflow.has_maps:
+                opened = open_stages(
+                    kernel.queue, run, workflow.stages_in_group(1), workflow=workflow,
+                    generation=0, now=now, reserve_for=reserve_for, serves=serves,
+                )  # fmt: skip
+                records, jobs, started_record = opened.records, opened.jobs, opened.started
+            else:  # issue 18 item 3: fan out a map stage (or settle it)
+                records = create_missing_stages(
+                    run, workflow.stages_in_group(1), generation=0, now=now
+                )
                 started = [ev.event(ev.WORKFLOW_STARTED, run.pk, now)]
                 step = advance_new_group(
                     kernel, workflow, run, [], records, now, 1, started, reserve_for, serves
@@ -135,19 +147,16 @@ def start_claimed_run(
                 return StartedRun(
                     ClaimedRun(str(run.pk), run.workflow_id, [j.pk for j in jobs]), jobs, records
                 )
-            jobs = enqueue_stage_jobs(
-                kernel.queue,
-                run,
-                records,
-                workflow=workflow,
-                reserve_for=reserve_for,
-                serves=serves,
-            )
     except Exception as exc:
         _fail(kernel, run, "CLAIM_FAILED", f"{type(exc).__name__}: {exc}", worker_id, events)
         return None
     events.append(ev.event(ev.WORKFLOW_STARTED, run.pk, now))
-    return StartedRun(ClaimedRun(str(run.pk), run.workflow_id, [j.pk for j in jobs]), jobs, records)
+    return StartedRun(
+        ClaimedRun(str(run.pk), run.workflow_id, [j.pk for j in jobs]),
+        jobs,
+        records,
+        started_record,
+    )
 
 
 def _start_conditional(

@@ -112,6 +112,7 @@ def _lease_transaction(
         )
         run: WorkflowRun | None
         records: list[WorkflowStage] | None = None
+        begun: WorkflowStage | None = None
         if job is not None:
             run = locked[job.pk]
         else:
@@ -126,8 +127,8 @@ def _lease_transaction(
             if started is None or not started.jobs or started.jobs[0].worker_id != worker_id:
                 append_events(events, new_causation_id(), kernel.clock.now())
                 return _AGAIN
-            job, records = started.jobs[0], started.records
-        delivery = begin(kernel, job, run, events, records=records)
+            job, records, begun = started.jobs[0], started.records, started.started
+        delivery = begin(kernel, job, run, events, records=records, started=begun)
         append_events(events, new_causation_id(), kernel.clock.now())
         fault_point("lease.before_commit")
     return _AGAIN if delivery is None else delivery
@@ -141,11 +142,14 @@ def begin(
     *,
     records: list[WorkflowStage] | None = None,
     outputs: dict[str, Any] | None = None,
+    started: WorkflowStage | None = None,
 ) -> Delivery | None:
     """Start the stage of a job leased in the current transaction, whose run the caller has
     locked (``None``: the run is gone): the RUNNING guard, then phase 1 (record RUNNING,
     ``stage:started`` appended to ``events``). ``records``/``outputs``: what the caller
-    already holds of the run (saves reading it again).
+    already holds of the run (saves reading it again). ``started``: the job's stage record
+    when the caller inserted it RUNNING in this transaction (:func:`..handlers.base.open_stages`):
+    it is not written again, and the delivery starts at its ``started_at``.
 
     Returns the delivery, or ``None`` when the job was settled instead (ghost: failed; stage
     already COMPLETED: completed and the run transitioned; the workflow or the stage is not in
@@ -164,7 +168,10 @@ def begin(
     if records is None:
         records = stages_of(run.pk)
     record = next((r for r in records if r.stage_id == node.stage.id), None)
-    now = kernel.clock.now()
+    if started is not None and started is not record:
+        started = None  # not this job's record: start it as usual
+    now = kernel.clock.now() if started is None else started.started_at
+    assert now is not None
     if job.item_index is not None:  # a map item (issue 18 item 3)
         return _begin_item(kernel, job, workflow, node, run, record, records, outputs, now)
     if record is not None and record.status == Status.COMPLETED:
@@ -175,7 +182,8 @@ def begin(
     known = outputs or {}
     earlier_outputs = earlier_outputs_of(kernel, node, records, known)
     resume_state = record.suspended_state if record is not None else None
-    record = start_stage(run, node, record, job.payload.get("config") or {}, now)
+    if started is None:
+        record = start_stage(run, node, record, job.payload.get("config") or {}, now)
     causation = new_causation_id()  # the delivery's: its stage:started, then its outcome's
     events.append(
         caused_by(

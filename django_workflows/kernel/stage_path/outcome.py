@@ -390,8 +390,9 @@ def _transition(
     if step.reserved_job is None:
         return None
     return begin(
-        kernel, step.reserved_job, run, events, records=records + step.new_records, outputs=outputs
-    )
+        kernel, step.reserved_job, run, events, records=records + step.new_records,
+        outputs=outputs, started=step.started_record,
+    )  # fmt: skip
 
 
 def _log_discarded(kernel: Kernel, d: Delivery, outcome: ExecutionOutcome) -> None:

@@ -19,7 +19,7 @@ from .. import events as ev
 from ..commands import ExecuteJobResult
 from ..executor import ExecutionInput, ExecutionOutcome
 from ..services import KernelStageServices
-from ..store import group_output, update_stage, write_annotations
+from ..store import group_output, started_fields, update_stage, write_annotations
 from .conditions import group_input
 
 if TYPE_CHECKING:
@@ -74,19 +74,7 @@ def start_stage(
     """Phase 1's write: upsert the record to RUNNING (K-JE-6), clearing the previous execution's
     error, suspension and progress (Part I item 9). Returns the record as written.
     """
-    fields: dict[str, Any] = dict(
-        status=Status.RUNNING,
-        started_at=now,
-        completed_at=None,
-        duration_ms=None,
-        error_message=None,
-        suspended_state=None,
-        next_poll_at=None,
-        poll_interval_ms=None,
-        max_wait_until=None,
-        progress=None,
-        progress_message="",
-    )
+    fields = started_fields(now)
     if record is not None and update_stage(record.pk, now, **fields):
         for name, value in fields.items():
             setattr(record, name, value)

@@ -26,7 +26,7 @@ from ...models import ACTIVE_STAGE_STATUSES, Status, WorkflowJob, WorkflowRun, W
 from .. import events as ev
 from ..children import wake_parent
 from ..commands import TransitionRunResult
-from ..handlers.base import enqueue_stage_jobs, job_leased_to
+from ..handlers.base import enqueue_stage_jobs, job_leased_to, open_stages
 from ..limits import wake_claimer_if_keyed
 from ..store import (
     create_missing_stages,
@@ -86,13 +86,17 @@ def _advance_conditional(
 @dataclass
 class Advance:
     """What :func:`advance` did: the public result, the events to append, the records it
-    created, and the job it reserved for the calling worker (``None`` if it reserved none).
+    created, the job it reserved for the calling worker (``None`` if it reserved none) and
+    that job's record if it was inserted RUNNING.
     """
 
     result: TransitionRunResult
     events: list[dict[str, Any]] = field(default_factory=list)
     new_records: list[WorkflowStage] = field(default_factory=list)
     reserved_job: WorkflowJob | None = None
+    #: The reserved job's stage record when it was inserted RUNNING (pass it to
+    #: :func:`.lease.begin` as ``started``); ``None``: begin starts the record itself.
+    started_record: WorkflowStage | None = None
 
 
 def advance(
@@ -121,18 +125,24 @@ def advance(
                 kernel, workflow, run, records, now, outputs, reserve_for, serves
             )
     if not records:
-        new = create_missing_stages(run, workflow.stages_in_group(1), generation=0, now=now)
-        update_run(run_id, now)
         started = [ev.event(ev.WORKFLOW_STARTED, run_id, now)]
         if workflow.has_maps:
+            new = create_missing_stages(run, workflow.stages_in_group(1), generation=0, now=now)
+            update_run(run_id, now)
             return advance_new_group(
                 kernel, workflow, run, [], new, now, 1, started, reserve_for, serves
             )
-        jobs = enqueue_stage_jobs(
-            kernel.queue, run, new, workflow=workflow, reserve_for=reserve_for, serves=serves
-        )
+        opened = open_stages(
+            kernel.queue, run, workflow.stages_in_group(1), workflow=workflow, generation=0,
+            now=now, reserve_for=reserve_for, serves=serves,
+        )  # fmt: skip
+        update_run(run_id, now)
         return Advance(
-            TransitionRunResult("advanced", 1), started, new, job_leased_to(jobs, reserve_for)
+            TransitionRunResult("advanced", 1),
+            started,
+            opened.records,
+            job_leased_to(opened.jobs, reserve_for),
+            opened.started,
         )
 
     if any(r.status in ACTIVE_STAGE_STATUSES for r in records):
@@ -178,22 +188,24 @@ def advance(
     next_nodes = workflow.stages_in_group(max_group + 1)
     if next_nodes:
         generation = max(r.generation for r in records)
-        new = create_missing_stages(
-            run, next_nodes, generation=generation, now=now, records=records
-        )
         if workflow.has_maps:
+            new = create_missing_stages(
+                run, next_nodes, generation=generation, now=now, records=records
+            )
             return advance_new_group(
                 kernel, workflow, run, records, new, now, max_group + 1, [], reserve_for, serves,
                 outputs,
             )  # fmt: skip
-        jobs = enqueue_stage_jobs(
-            kernel.queue, run, new, workflow=workflow, reserve_for=reserve_for, serves=serves
-        )
+        opened = open_stages(
+            kernel.queue, run, next_nodes, workflow=workflow, generation=generation, now=now,
+            records=records, reserve_for=reserve_for, serves=serves,
+        )  # fmt: skip
         return Advance(
             TransitionRunResult("advanced", max_group + 1),
             [],
-            new,
-            job_leased_to(jobs, reserve_for),
+            opened.records,
+            job_leased_to(opened.jobs, reserve_for),
+            opened.started,
         )
 
     total_cost = sum(float((r.metrics or {}).get("total_cost") or 0) for r in records)
