@@ -160,4 +160,6 @@ def work(
         else:
             out.succeeded += 1
         current = result.next
+        if current is None and result.no_work:
+            break  # the outcome's transaction looked for the next delivery: there is none
     return out

@@ -78,8 +78,8 @@ def _snapshot(run_id: Any) -> dict[str, Any]:
 
 
 def _drive(steps: list[dict[str, Any]]) -> int:
-    """A diamond run step by step (claim+lease, then each outcome with its continuation, and a
-    plain lease of the parallel sibling), the clock one second further at every step; a
+    """A diamond run step by step (claim+lease, then each outcome with its continuation or, for
+    b, the lease of the parallel sibling c in the same commit), the clock one second further at every step; a
     snapshot after each transaction. Returns the statements of the whole run."""
     clock = FakeClock(T0)
     kernel = make_kernel(diamond(), clock=clock, transport=RecordingTransport())
@@ -121,7 +121,7 @@ def test_a_stage_record_inserted_running_is_the_row_the_insert_and_update_left(
     old_steps: list[dict[str, Any]] = []
     old_statements = _drive(old_steps)
 
-    assert len(new_steps) == len(old_steps) == 7
+    assert len(new_steps) == len(old_steps) == 6
     for new, old in zip(new_steps, old_steps, strict=True):
         assert new == old
     assert old_statements - new_statements == 3

@@ -50,7 +50,9 @@ class Delivery:
 class Outcome:
     """How a delivery ended: ``completed``, ``suspended``, ``failed`` (``retrying`` when the
     job went back to the queue), ``ghost`` (the run left RUNNING) or ``discarded`` (the lease
-    was taken over). ``next`` is the delivery this worker leased in the same transaction.
+    was taken over). ``next`` is the delivery this worker leased in the same transaction;
+    ``no_work`` is true when that transaction looked for one and found nothing (issue 19: the
+    worker need not look again at once).
     """
 
     outcome: str
@@ -61,6 +63,7 @@ class Outcome:
     #: ``next_poll_at``, ``retryable``); ``None`` for a ghost, a discarded delivery, or an
     #: outcome found committed after a lost acknowledgement.
     result: Any = None
+    no_work: bool = False
 
 
 class _Discard(Exception):

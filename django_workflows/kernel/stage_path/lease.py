@@ -92,45 +92,63 @@ def _lease_transaction(
             orphan = _adopt_orphan(kernel, worker_id, resumable=False)
             if orphan is not None:
                 return orphan
-        events: list[dict[str, Any]] = []
-        locked: dict[int, WorkflowRun | None] = {}
+        delivery = lease_within(kernel, worker_id, queues)
+        if delivery is not None and delivery is not _AGAIN:
+            fault_point("lease.before_commit")
+    return delivery
 
-        def run_is_free(job: WorkflowJob, locked: dict[int, Any] = locked) -> bool:
-            run = try_lock_run(job.workflow_run_id)
-            if run is LOCKED:  # never wait for a run while holding a job (deadlocks)
-                return False
-            locked[job.pk] = run  # type: ignore[assignment]
-            return True
 
-        versions = kernel.registry.runnable_versions()  # issue 12 item 3: same statement
-        job = kernel.queue.lease_next(
-            worker_id,
-            accept=run_is_free,
-            queues=queues,
-            versions=versions,
-            gate=job_gate(kernel.registry, kernel.transport),  # None without limits (issue 18)
+def lease_within(
+    kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None
+) -> Delivery | None:
+    """The body of transaction 1 in the caller's transaction: lease the next ready job of
+    ``queues`` (or claim a PENDING run and lease its first job) to ``worker_id`` and start
+    its stage, appending its events with a causation of their own. ``None``: no work;
+    :data:`_AGAIN`: something was settled instead (see :func:`_lease_transaction`).
+
+    Also called by an outcome transaction that did not continue its own run
+    (:mod:`.outcome`, issue 19): the worker's next delivery is leased in the commit of its
+    last outcome, one transaction fewer. Runs are locked without waiting
+    (:func:`..locking.try_lock_run`), so holding the outcome's run lock cannot deadlock.
+    """
+    events: list[dict[str, Any]] = []
+    locked: dict[int, WorkflowRun | None] = {}
+
+    def run_is_free(job: WorkflowJob, locked: dict[int, Any] = locked) -> bool:
+        run = try_lock_run(job.workflow_run_id)
+        if run is LOCKED:  # never wait for a run while holding a job (deadlocks)
+            return False
+        locked[job.pk] = run  # type: ignore[assignment]
+        return True
+
+    versions = kernel.registry.runnable_versions()  # issue 12 item 3: same statement
+    job = kernel.queue.lease_next(
+        worker_id,
+        accept=run_is_free,
+        queues=queues,
+        versions=versions,
+        gate=job_gate(kernel.registry, kernel.transport),  # None without limits (issue 18)
+    )
+    run: WorkflowRun | None
+    records: list[WorkflowStage] | None = None
+    begun: WorkflowStage | None = None
+    if job is not None:
+        run = locked[job.pk]
+    else:
+        run = claim_next_allowed_run(
+            kernel.registry, versions, kernel.transport, claim=claim_next_pending_run
         )
-        run: WorkflowRun | None
-        records: list[WorkflowStage] | None = None
-        begun: WorkflowStage | None = None
-        if job is not None:
-            run = locked[job.pk]
-        else:
-            run = claim_next_allowed_run(
-                kernel.registry, versions, kernel.transport, claim=claim_next_pending_run
-            )
-            if run is None:
-                return None
-            started = start_claimed_run(
-                kernel, run, worker_id, events, reserve_for=worker_id, serves=queues
-            )
-            if started is None or not started.jobs or started.jobs[0].worker_id != worker_id:
-                append_events(events, new_causation_id(), kernel.clock.now())
-                return _AGAIN
-            job, records, begun = started.jobs[0], started.records, started.started
-        delivery = begin(kernel, job, run, events, records=records, started=begun)
-        append_events(events, new_causation_id(), kernel.clock.now())
-        fault_point("lease.before_commit")
+        if run is None:
+            return None
+        started = start_claimed_run(
+            kernel, run, worker_id, events, reserve_for=worker_id, serves=queues
+        )
+        if started is None or not started.jobs or started.jobs[0].worker_id != worker_id:
+            append_events(events, new_causation_id(), kernel.clock.now())
+            return _AGAIN
+        job, records, begun = started.jobs[0], started.records, started.started
+    delivery = begin(kernel, job, run, events, records=records, started=begun)
+    append_events(events, new_causation_id(), kernel.clock.now())
     return _AGAIN if delivery is None else delivery
 
 

@@ -29,7 +29,7 @@ from ..outbox import append_events
 from ..services import KernelStageServices
 from ..store import stages_of, write_annotations, write_log
 from . import Delivery, Outcome, _Discard
-from .lease import _adopt_orphan, begin
+from .lease import _AGAIN, _adopt_orphan, begin, lease_within
 from .records import write_outcome
 from .transition import advance
 
@@ -65,7 +65,7 @@ def commit_outcome(
         if retries:  # the connection died: maybe after our COMMIT reached the database
             committed = _committed_before(d, outcome)
             if committed is not None:
-                if committed.outcome == "completed" and worker_id is not None:
+                if committed.outcome != "ghost" and worker_id is not None:
                     committed.next = _adopt_continuation(kernel, d, worker_id)
                 logger.warning(
                     "Stage %s delivery %s of job %s: its outcome had committed before the "
@@ -142,13 +142,20 @@ def _stage_transaction(
                 stage_pk=d.record.pk,
             )
         following: Delivery | None = None
+        stopping = stop is not None and stop.is_set()
+        reserve_for = None if stopping else worker_id
         if stage_result.outcome == "suspended" or result == Status.PENDING:
             transaction.on_commit(kernel.transport.wake_ticker)
         else:
-            stopping = stop is not None and stop.is_set()
-            reserve_for = None if stopping else worker_id
             following = _transition(kernel, d, run, stage_result, events, now, reserve_for, queues)
         append_events(events, d.causation_id, now)
+        # Not continuing its own run, the worker leases its next delivery in this same
+        # commit (issue 19: one transaction fewer per lease; runs locked without waiting).
+        looked = following is None and reserve_for is not None
+        found: Any = None
+        if looked:
+            found = lease_within(kernel, reserve_for, queues)  # type: ignore[arg-type]
+            following = None if found is _AGAIN else found
         fault_point("outcome.before_commit")
     return Outcome(
         stage_result.outcome,
@@ -156,10 +163,12 @@ def _stage_transaction(
         retrying=result == Status.PENDING,
         next=following,
         result=stage_result,
+        no_work=looked and found is None,
     )
 
 
 _GHOST_SUFFIX = "the result was discarded (expected RUNNING)"
+
 
 
 def _item_outcome(
@@ -277,11 +286,11 @@ def _item_outcome(
 
 
 def _adopt_continuation(kernel: Kernel, d: Delivery, worker_id: str) -> Delivery | None:
-    """The next stage that the lost-acknowledgement outcome leased to this worker, if any."""
+    """The delivery that the lost-acknowledgement outcome leased to this worker, if any."""
 
     def adopt() -> Delivery | None:
-        with transaction.atomic():
-            return _adopt_orphan(kernel, worker_id, run_id=d.run.pk)
+        with transaction.atomic():  # its run's next stage, or a job of another run leased next
+            return _adopt_orphan(kernel, worker_id)
 
     return retry_on_disconnect(adopt, what="continuation after a lost acknowledgement")
 
