@@ -79,8 +79,8 @@ def _snapshot(run_id: Any) -> dict[str, Any]:
 
 def _drive(steps: list[dict[str, Any]]) -> int:
     """A diamond run step by step (claim+lease, then each outcome with its continuation or, for
-    b, the lease of the parallel sibling c in the same commit), the clock one second further at every step; a
-    snapshot after each transaction. Returns the statements of the whole run."""
+    b, the lease of the parallel sibling c in the same commit), the clock one second further
+    at every step; a snapshot after each transaction. Returns the statements of the run."""
     clock = FakeClock(T0)
     kernel = make_kernel(diamond(), clock=clock, transport=RecordingTransport())
     with transaction.atomic():  # the definition version stored once, outside the count

@@ -170,7 +170,6 @@ def _stage_transaction(
 _GHOST_SUFFIX = "the result was discarded (expected RUNNING)"
 
 
-
 def _item_outcome(
     kernel: Kernel,
     d: Delivery,
