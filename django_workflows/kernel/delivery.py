@@ -33,7 +33,11 @@ A worker runs this story in a loop (:func:`work`, here); each step is a module o
    jobs of the old generation still out, a live lease included (``run.rerunFrom``), so a late
    outcome of the old generation is discarded the same way. A run that left RUNNING
    (cancelled) makes the result a ghost: only the job is failed, without retry.
-4. If step 3 leased the next stage, go to 2 with it; otherwise to 1.
+   An outcome that does not continue its run leases the worker's next delivery in the same
+   commit instead (:func:`.stage_path.lease.lease_within`: any ready job or PENDING run, its
+   run locked without waiting), so a worker spends one transaction per stage.
+4. If step 3 leased a delivery, go to 2 with it; if it looked and found no work, stop;
+   otherwise go to 1.
 
 Transactions 1 and 3 (and each heartbeat) that hit a dead database connection - terminated,
 closed by ``idle_session_timeout`` while the stage ran, or refused during a database restart -
@@ -45,7 +49,7 @@ reported committed, not discarded, and a job that a lost commit leased to this w
 taken back (:func:`.stage_path.lease._adopt_orphan`). A connection kill so costs one retried
 write, not a delivery.
 
-So a trivial stage that continues its run costs one transaction. Crash windows: before a
+So a trivial stage costs one transaction, whether it continues its run or not. Crash windows: before a
 lease commits nothing happened; after it the job is RUNNING and its lease expires, so
 ``lease.reapStale`` releases it for another delivery (bounded by ``max_attempts``); before
 the outcome commits nothing of the outcome happened; after it everything did. The fault
