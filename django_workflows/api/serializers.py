@@ -60,8 +60,15 @@ class StrictCharFieldSchema(OpenApiSerializerFieldExtension):
 
 #: Any string without NUL.
 NO_NUL = "^[^\\u0000]*$"
+#: The characters ``str.strip()`` removes (Python's whitespace), spelled out: ``\\s`` means
+#: fewer of them in ECMA-262 regular expressions (not ``\\x1c``-``\\x1f``), so a client
+#: checking the pattern with those would send ``"\\x1f"`` as not blank.
+_WHITESPACE = (
+    "\\t\\n\\u000b\\f\\r\\u001c-\\u0020\\u0085\\u00a0\\u1680\\u2000-\\u200a"
+    "\\u2028\\u2029\\u202f\\u205f\\u3000"
+)
 #: A string without NUL holding a character that is not whitespace.
-NOT_BLANK = "^[^\\u0000]*[^\\s\\u0000][^\\u0000]*$"
+NOT_BLANK = f"^[^\\u0000]*[^{_WHITESPACE}\\u0000][^\\u0000]*$"
 
 
 class StrictIntegerField(serializers.IntegerField):

@@ -50,3 +50,22 @@ def test_the_schema_calls_a_whitespace_only_required_string_invalid(admin_client
         "/api/workflows/runs/", {"workflow_id": " "}, content_type="application/json"
     )
     assert response.status_code == 400 and response.json()["errors"]["workflow_id"]
+
+
+def test_the_not_blank_pattern_refuses_what_the_api_trims_as_blank() -> None:
+    """A required string is stripped by DRF (``str.strip()``: Python's whitespace); the schema's
+    not-blank pattern spells those characters out, so a client with ECMA-262 regular
+    expressions (whose ``\\s`` lacks ``\\x1c``-``\\x1f``) cannot send ``"\\x1f"`` as valid:
+    schemathesis did, for ``GET /runs/?workflow_id=``, and got a 400."""
+    import re
+
+    from django_workflows.api.serializers import NOT_BLANK
+
+    whitespace = [c for c in map(chr, range(0x110000)) if c.isspace()]
+    assert len(whitespace) >= 25
+    for char in whitespace:
+        assert re.search(NOT_BLANK, char) is None, repr(char)
+        assert re.search(NOT_BLANK, f" {char}\t") is None, repr(char)
+    for kept in ("a", " a ", "\u200b", "\ufeff"):  # not stripped by DRF, so not blank
+        assert re.search(NOT_BLANK, kept) and kept.strip()
+    assert "\\s" not in NOT_BLANK
