@@ -49,8 +49,8 @@ reported committed, not discarded, and a job that a lost commit leased to this w
 taken back (:func:`.stage_path.lease._adopt_orphan`). A connection kill so costs one retried
 write, not a delivery.
 
-So a trivial stage costs one transaction, whether it continues its run or not. Crash windows: before a
-lease commits nothing happened; after it the job is RUNNING and its lease expires, so
+So a trivial stage costs one transaction, whether it continues its run or not. Crash windows:
+before a lease commits nothing happened; after it the job is RUNNING and its lease expires, so
 ``lease.reapStale`` releases it for another delivery (bounded by ``max_attempts``); before
 the outcome commits nothing of the outcome happened; after it everything did. The fault
 points of :mod:`.faults` sit at each of these boundaries.
