@@ -30,6 +30,11 @@ def main() -> None:
     parser.add_argument("--url", required=True)
     parser.add_argument("--runs", type=int, required=True)
     parser.add_argument("--mode", choices=["direct", "queue"], required=True)
+    parser.add_argument(
+        "--stats-admin-url",
+        default=None,
+        help="read pg_stat_database of --url's database from this admin URL around the window",
+    )
     args = parser.parse_args()
 
     import dbos
@@ -71,7 +76,16 @@ def main() -> None:
         )
         for i in range(2):  # warm-up (connections, first-call paths), not measured
             bench_4(-1 - i)
-        cpu0, t0 = time.process_time(), time.perf_counter()
+        stats_conn, dbname, before = None, args.url.rsplit("/", 1)[1].split("?")[0], None
+        if args.stats_admin_url:
+            import psycopg
+
+            from bench.pgstats import db_counters
+
+            stats_conn = psycopg.connect(args.stats_admin_url, autocommit=True)
+            time.sleep(1.5)  # the warm-up's counters flushed before the window
+            before = db_counters(stats_conn, dbname)
+        cpu0, t0, t0_wall = time.process_time(), time.perf_counter(), time.time()
         if args.mode == "direct":
             per_thread = [args.runs // 2, args.runs - args.runs // 2]
             errors: list[BaseException] = []
@@ -98,7 +112,20 @@ def main() -> None:
             for h in handles:
                 h.get_result()
         seconds = time.perf_counter() - t0
-        cpu = time.process_time() - cpu0
+        cpu, t1_wall = time.process_time() - cpu0, time.time()
+        server = None
+        if stats_conn is not None and before is not None:
+            from bench.pgstats import FLUSH_WAIT_S, counter_delta, db_counters
+
+            time.sleep(FLUSH_WAIT_S)  # DBOS's own threads keep running: their commits count
+            after = db_counters(stats_conn, dbname)
+            server = counter_delta(before, after)
+            server["flush_wait_s"] = FLUSH_WAIT_S
+            time.sleep(FLUSH_WAIT_S)  # flush check, as in bench/benchapp/drivers.py
+            server["late_commits"] = int(
+                db_counters(stats_conn, dbname)["xact_commit"] - after["xact_commit"]
+            )
+            stats_conn.close()
     finally:
         DBOS.destroy()
     steps = args.runs * STEPS_PER_WORKFLOW
@@ -113,6 +140,9 @@ def main() -> None:
                 "steps_per_s": steps / seconds,
                 "workflows_per_s": args.runs / seconds,
                 "process_cpu_ms_per_step": cpu * 1000 / steps,
+                "server": server,
+                "t_start": t0_wall,
+                "t_end": t1_wall,
             }
         )
     )

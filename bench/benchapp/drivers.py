@@ -24,13 +24,74 @@ def _ts(value: datetime | None) -> float | None:
     return value.timestamp() if value is not None else None
 
 
+#: how many times :func:`_wait` evaluated a predicate (each one autocommit query = one
+#: server transaction): subtracted from the server's commit count of a round
+POLLS = {"count": 0}
+
+
 def _wait(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while True:
+        POLLS["count"] += 1
+        if predicate():
+            return True
         if time.monotonic() > deadline:
             return False
         time.sleep(interval)
-    return True
+
+
+class _ServerCounters:
+    """``pg_stat_database`` of this process's database read from an admin connection (see
+    bench/pgstats.py) around a measured window; a no-op on SQLite."""
+
+    def __init__(self) -> None:
+        from django.db import connection
+
+        self.before: dict[str, float] | None = None
+        self.conn: Any = None
+        if connection.vendor != "postgresql":
+            return
+        import psycopg
+
+        from bench.common import PG_ADMIN_URL
+
+        with connection.cursor() as cursor:  # open + initialise our own connection first
+            cursor.execute("SELECT 1")
+        self.dbname = connection.settings_dict["NAME"]
+        self.conn = psycopg.connect(PG_ADMIN_URL, autocommit=True)
+        self.own_same_db = PG_ADMIN_URL.rsplit("/", 1)[1].split("?")[0] == self.dbname
+
+    def start(self) -> None:
+        if self.conn is not None:
+            from bench.pgstats import db_counters
+
+            time.sleep(1.5)  # let every backend flush what it did before the window
+            self.polls0 = POLLS["count"]
+            self.before = db_counters(self.conn, self.dbname)
+
+    def finish(self) -> dict[str, Any] | None:
+        """The window's delta, read :data:`bench.pgstats.FLUSH_WAIT_S` after now; this
+        driver's polling transactions are subtracted."""
+        if self.conn is None or self.before is None:
+            return None
+        from bench.pgstats import FLUSH_WAIT_S, counter_delta, db_counters
+
+        polls = POLLS["count"] - self.polls0
+        t_end = time.time()
+        time.sleep(FLUSH_WAIT_S)
+        after = db_counters(self.conn, self.dbname)
+        # flush check: commits in a second equal wait after the read; about the idle rate x
+        # wait if every backend had flushed by the read, much more if the read was early
+        time.sleep(FLUSH_WAIT_S)
+        late = db_counters(self.conn, self.dbname)
+        self.conn.close()
+        out = counter_delta(
+            self.before, after, own_xacts=1 if self.own_same_db else 0, driver_xacts=polls
+        )
+        out["t_end"] = t_end
+        out["flush_wait_s"] = FLUSH_WAIT_S
+        out["late_commits"] = int(late["xact_commit"] - after["xact_commit"])
+        return out
 
 
 def _run_rows(run_ids: list[str]) -> list[dict[str, Any]]:
@@ -80,6 +141,8 @@ def create_and_wait(
     """
     from django_workflows import start_run
 
+    counters = _ServerCounters()
+    counters.start()
     t_start = time.time()
     if one_transaction:
         with transaction.atomic():
@@ -89,12 +152,14 @@ def create_and_wait(
     t_created = time.time()
     finished = _wait(lambda: _terminal_count(ids) >= n, timeout, interval=0.05)
     t_seen = time.time()
+    server = counters.finish()
     out: dict[str, Any] = {
         "t_start": t_start,
         "t_created": t_created,
         "t_seen_done": t_seen,
         "timed_out": not finished,
         "runs": _run_rows(ids),
+        "server": server,
     }
     if delivery_timeout > 0:
         out.update(_wait_for_deliveries(ids, delivery_timeout))
@@ -217,6 +282,8 @@ def chain_and_wait(n: int, *, timeout: float = 600) -> None:
 
     from .tasks import MARKER_PREFIX
 
+    counters = _ServerCounters()
+    counters.start()
     t_start = time.time()
     for i in range(n):
         async_task("bench.benchapp.tasks.chain_step", i, 1)
@@ -226,6 +293,8 @@ def chain_and_wait(n: int, *, timeout: float = 600) -> None:
         timeout,
         interval=0.05,
     )
+    t_seen = time.time()
+    server = counters.finish()
     last = (
         WorkflowBlob.objects.filter(key__startswith=MARKER_PREFIX)
         .order_by("-created_at")
@@ -237,9 +306,10 @@ def chain_and_wait(n: int, *, timeout: float = 600) -> None:
             {
                 "t_start": t_start,
                 "t_created": t_created,
-                "t_seen_done": time.time(),
+                "t_seen_done": t_seen,
                 "t_last_done": _ts(last),
                 "timed_out": not finished,
+                "server": server,
             }
         )
     )
