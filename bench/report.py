@@ -184,6 +184,7 @@ def summarize_conditions(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                 "cluster_statements_per_unit": _med(
                     [o.get("cluster_statements_per_stage") for o in ok]
                 ),
+                "late_commits": _med([_get(o, "server_commits", "late_commits") for o in ok]),
             }
         c["per_unit"] = server
         out[condition] = c
@@ -589,11 +590,13 @@ def _server_section(data: dict[str, Any]) -> list[str]:
         "Medians of rounds. Commits = `pg_stat_database.xact_commit` delta of the measurement's "
         "database (everything: broker, ticker, flusher, creates; the driver's own polls "
         "subtracted). PG CPU = user+system of that database's backends (/proc, sampled every "
-        "0.1 s). Cluster statements = every SQL statement of every cluster process.",
+        "0.1 s). Cluster statements = every SQL statement of every cluster process. Late "
+        "commits = commits in the 1.5 s after the closing read (flush check: about the idle "
+        "rate x 1.5 s when the read was complete).",
         "",
         "| condition | measurement | commits/unit | rollbacks/unit | PG CPU ms/unit | "
-        "cluster CPU ms/unit | cluster statements/unit |",
-        "|---|---|---|---|---|---|---|",
+        "cluster CPU ms/unit | cluster statements/unit | late commits |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     rows = 0
     for condition, c in conditions.items():
@@ -603,7 +606,7 @@ def _server_section(data: dict[str, Any]) -> list[str]:
                 f"| {condition} | {key} (per {v['unit']}) | {_fmt(v['commits_per_unit'], 2)} | "
                 f"{_fmt(v['rollbacks_per_unit'], 2)} | {_fmt(v['pg_cpu_ms_per_unit'], 2)} | "
                 f"{_fmt(v['cluster_cpu_ms_per_unit'], 2)} | "
-                f"{_fmt(v['cluster_statements_per_unit'], 2)} |"
+                f"{_fmt(v['cluster_statements_per_unit'], 2)} | {_fmt(v.get('late_commits'), 0)} |"
             )
     b = data.get("burst") or {}
     if isinstance(b, dict) and not b.get("error") and (b.get("server_commits") or b.get("pg_cpu")):
@@ -611,7 +614,8 @@ def _server_section(data: dict[str, Any]) -> list[str]:
         lines.append(
             f"| burst | ours (per stage) | {_fmt(_get(b, 'server_commits', 'commits_per_unit'), 2)}"
             f" | {_fmt(_get(b, 'server_commits', 'rollbacks_per_unit'), 2)} | "
-            f"{_fmt(_get(b, 'pg_cpu', 'cpu_ms_per_unit'), 2)} | — | — |"
+            f"{_fmt(_get(b, 'pg_cpu', 'cpu_ms_per_unit'), 2)} | — | — | "
+            f"{_fmt(_get(b, 'server_commits', 'late_commits'), 0)} |"
         )
     if not rows:
         return []
