@@ -188,6 +188,8 @@ class Cluster:
     cpu_samples: list[tuple[float, float]] = field(default_factory=list)
     _stop_sampler: threading.Event = field(default_factory=threading.Event)
     _sampler: threading.Thread | None = None
+    #: wall time the qcluster process was started
+    started_at: float = 0.0
     #: ``BENCH_SQL_COUNT_DIR`` of the cluster's processes (None: no statement counting)
     sql_count_dir: Path | None = None
     #: (wall time, statements, health checks of all cluster processes so far) per CPU sample
@@ -196,6 +198,7 @@ class Cluster:
     def start(self, workers: int = 2, timeout: float = 60) -> Cluster:
         """Start the cluster and wait until its worker processes exist (plus 1 s to settle)."""
         self._log = open(self.log_path, "a")
+        self.started_at = time.time()
         self.proc = subprocess.Popen(
             [sys.executable, "manage.py", "qcluster"],
             cwd=ROOT,
@@ -291,8 +294,14 @@ class Cluster:
                 return
             time.sleep(0.05)
 
+    def driver_env(self) -> dict[str, str]:
+        """The environment of a driver process for this cluster (``BENCH_CLUSTER_STARTED``)."""
+        env = {k: v for k, v in self.env.items() if k != "BENCH_SQL_COUNT_DIR"}
+        return {**env, "BENCH_CLUSTER_STARTED": str(self.started_at)}
+
     def stop(self, timeout: float = 30) -> None:
-        """SIGTERM to the main pid only; SIGKILL to the group if it hangs past ``timeout``."""
+        """SIGTERM to the main pid only; SIGKILL to the group if it hangs past ``timeout``.
+        Idempotent (the bench stops a cluster early to read the server's counters)."""
         self._stop_sampler.set()
         if self.proc is not None:
             if self.proc.poll() is None:

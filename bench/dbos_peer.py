@@ -76,15 +76,17 @@ def main() -> None:
         )
         for i in range(2):  # warm-up (connections, first-call paths), not measured
             bench_4(-1 - i)
-        stats_conn, dbname, before = None, args.url.rsplit("/", 1)[1].split("?")[0], None
+        dbname, before = args.url.rsplit("/", 1)[1].split("?")[0], None
         if args.stats_admin_url:
+            # opening read of pg_stat_database (bench/pgstats.py): after the warm-up's idle
+            # backends have flushed; the closing read is the bench's, once we have exited
             import psycopg
 
-            from bench.pgstats import db_counters
+            from bench.pgstats import IDLE_FLUSH_S, db_counters
 
-            stats_conn = psycopg.connect(args.stats_admin_url, autocommit=True)
-            time.sleep(1.5)  # the warm-up's counters flushed before the window
-            before = db_counters(stats_conn, dbname)
+            time.sleep(IDLE_FLUSH_S)
+            with psycopg.connect(args.stats_admin_url, autocommit=True) as stats_conn:
+                before = db_counters(stats_conn, dbname)
         cpu0, t0, t0_wall = time.process_time(), time.perf_counter(), time.time()
         if args.mode == "direct":
             per_thread = [args.runs // 2, args.runs - args.runs // 2]
@@ -113,19 +115,7 @@ def main() -> None:
                 h.get_result()
         seconds = time.perf_counter() - t0
         cpu, t1_wall = time.process_time() - cpu0, time.time()
-        server = None
-        if stats_conn is not None and before is not None:
-            from bench.pgstats import FLUSH_WAIT_S, counter_delta, db_counters
-
-            time.sleep(FLUSH_WAIT_S)  # DBOS's own threads keep running: their commits count
-            after = db_counters(stats_conn, dbname)
-            server = counter_delta(before, after)
-            server["flush_wait_s"] = FLUSH_WAIT_S
-            time.sleep(FLUSH_WAIT_S)  # flush check, as in bench/benchapp/drivers.py
-            server["late_commits"] = int(
-                db_counters(stats_conn, dbname)["xact_commit"] - after["xact_commit"]
-            )
-            stats_conn.close()
+        server = {"before": before, "driver_xacts": 0, "own_xacts": 0} if before else None
     finally:
         DBOS.destroy()
     steps = args.runs * STEPS_PER_WORKFLOW

@@ -1,12 +1,15 @@
 """Server-side counters of one round's PostgreSQL database, read from outside the engine.
 
-* :func:`db_counters` / :func:`counter_delta` - ``pg_stat_database`` of one database
-  (``xact_commit``, ``xact_rollback``, ``sessions``, ``active_time``), read from a connection to
-  the *admin* database (``BENCH_PG_ADMIN_URL``, normally ``postgres``): the reader's own
-  transactions are counted against the admin database, not the round's, and where a reader is
-  connected to the round database itself its own transactions are subtracted (``own_xacts``).
-  PostgreSQL >= 15 flushes a backend's counters at most once per second while busy and within
-  1 s when idle, so the closing read waits :data:`FLUSH_WAIT_S` first (that tail is included).
+* ``pg_stat_database`` of one database (``xact_commit``, ``xact_rollback``, ``sessions``,
+  ``active_time``) over a measured window, read through a connection to the *admin* database
+  (``BENCH_PG_ADMIN_URL``, normally ``postgres``): the reader's own transactions count against
+  the admin database, not the round's (where a reader is connected to the round database
+  itself, its own transactions are subtracted: ``own_xacts``). PostgreSQL (>= 15) flushes a
+  backend's counters at most once per second while it works and, once it is idle, only after
+  10 s (``PGSTAT_IDLE_INTERVAL``), or at backend exit. So the opening read (by the driver,
+  bench/benchapp/drivers.py) waits until the cluster has been up :data:`IDLE_FLUSH_S`, and
+  the closing read (:func:`close_window`, by the bench) is taken after the cluster and the
+  driver have exited and no backend of the database is left: every count is flushed.
 * :class:`BackendCpu` - user+system CPU of the backends serving one database: every
   :data:`SAMPLE_INTERVAL_S` the pids of ``pg_stat_activity`` for that ``datname`` are listed
   and ``/proc/<pid>/stat`` (utime+stime, clock ticks) is read for each, keyed by (pid, start
@@ -28,8 +31,8 @@ from typing import Any
 
 from .common import PG_ADMIN_URL
 
-#: seconds the closing pg_stat_database read waits so busy backends have flushed (PG >= 15)
-FLUSH_WAIT_S = 1.5
+#: seconds after which an idle backend has flushed its counters (PGSTAT_IDLE_INTERVAL + margin)
+IDLE_FLUSH_S = 10.5
 #: seconds between two samples of the backends' CPU
 SAMPLE_INTERVAL_S = 0.1
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -80,6 +83,44 @@ def per_unit(delta: dict[str, Any] | None, units: int) -> dict[str, Any] | None:
         "rollbacks_per_unit": round(delta["xact_rollback"] / units, 3),
         "active_ms_per_unit": round(delta["active_ms"] / units, 3),
     }
+
+
+def wait_no_backends(conn: Any, dbname: str, timeout: float = 15) -> bool:
+    """Block until no backend serves ``dbname`` (each flushed its counters at exit)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (dbname,)
+        ).fetchone()
+        if not row or not row[0]:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def close_window(
+    opening: dict[str, Any] | None, dbname: str, t_end: float
+) -> dict[str, Any] | None:
+    """The closing read of a window the driver opened (``opening`` = its ``server`` record:
+    ``before``, ``driver_xacts``, ``own_xacts``), to be called once the cluster and the driver
+    have exited; ``t_end`` = when the last run was seen terminal (the tail after it, idle
+    cluster work and the shutdown, is included and reported as ``tail_s``)."""
+    if not opening:
+        return None
+    import psycopg
+
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        flushed = wait_no_backends(conn, dbname)
+        after = db_counters(conn, dbname)
+    out = counter_delta(
+        opening["before"],
+        after,
+        own_xacts=opening.get("own_xacts", 0),
+        driver_xacts=opening.get("driver_xacts", 0),
+    )
+    out["all_backends_exited"] = flushed
+    out["tail_s"] = round(after["t"] - t_end, 3)
+    return out
 
 
 def _proc_cpu(pid: int) -> tuple[int, float] | None:

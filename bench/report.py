@@ -184,7 +184,7 @@ def summarize_conditions(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                 "cluster_statements_per_unit": _med(
                     [o.get("cluster_statements_per_stage") for o in ok]
                 ),
-                "late_commits": _med([_get(o, "server_commits", "late_commits") for o in ok]),
+                "tail_s": _med([_get(o, "server_commits", "tail_s") for o in ok]),
             }
         c["per_unit"] = server
         out[condition] = c
@@ -379,9 +379,10 @@ event delivery = the delivery plugin's wall time - the outbox row's `created_at`
 *Burst*: all runs created in one transaction.
 *Loaded* rounds repeat ours and every peer with one busy core (a pure-Python spin loop the
 bench starts before and kills after). *Server commits* = `pg_stat_database.xact_commit` delta
-of the measurement's database read from an admin connection just before the first create and
-1.5 s after the last run was seen terminal (PostgreSQL's per-second stats flush), the
-driver's polling transactions subtracted. *PG CPU* = /proc utime+stime of the database's
+of the measurement's database read from an admin connection just before the first create
+(10.5 s after the cluster started, so idle backends have flushed) and after the last run was
+terminal and the cluster and driver have exited (backends flush at exit), the driver's own
+read transactions subtracted. *PG CPU* = /proc utime+stime of the database's
 backends (pids from `pg_stat_activity`, sampled every 0.1 s). *Cluster statements* = a
 statement counter in every cluster process (`BENCH_SQL_COUNT_DIR`). *Idle*: a cluster with no
 runs, statements/s and CPU % over the window.
@@ -590,12 +591,12 @@ def _server_section(data: dict[str, Any]) -> list[str]:
         "Medians of rounds. Commits = `pg_stat_database.xact_commit` delta of the measurement's "
         "database (everything: broker, ticker, flusher, creates; the driver's own polls "
         "subtracted). PG CPU = user+system of that database's backends (/proc, sampled every "
-        "0.1 s). Cluster statements = every SQL statement of every cluster process. Late "
-        "commits = commits in the 1.5 s after the closing read (flush check: about the idle "
-        "rate x 1.5 s when the read was complete).",
+        "0.1 s). Cluster statements = every SQL statement of every cluster process. Tail = "
+        "seconds from the last run seen terminal to the closing read (taken once the cluster "
+        "and the driver have exited, so every backend has flushed; included in the commits).",
         "",
         "| condition | measurement | commits/unit | rollbacks/unit | PG CPU ms/unit | "
-        "cluster CPU ms/unit | cluster statements/unit | late commits |",
+        "cluster CPU ms/unit | cluster statements/unit | tail s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     rows = 0
@@ -606,7 +607,7 @@ def _server_section(data: dict[str, Any]) -> list[str]:
                 f"| {condition} | {key} (per {v['unit']}) | {_fmt(v['commits_per_unit'], 2)} | "
                 f"{_fmt(v['rollbacks_per_unit'], 2)} | {_fmt(v['pg_cpu_ms_per_unit'], 2)} | "
                 f"{_fmt(v['cluster_cpu_ms_per_unit'], 2)} | "
-                f"{_fmt(v['cluster_statements_per_unit'], 2)} | {_fmt(v.get('late_commits'), 0)} |"
+                f"{_fmt(v['cluster_statements_per_unit'], 2)} | {_fmt(v.get('tail_s'), 1)} |"
             )
     b = data.get("burst") or {}
     if isinstance(b, dict) and not b.get("error") and (b.get("server_commits") or b.get("pg_cpu")):
@@ -615,7 +616,7 @@ def _server_section(data: dict[str, Any]) -> list[str]:
             f"| burst | ours (per stage) | {_fmt(_get(b, 'server_commits', 'commits_per_unit'), 2)}"
             f" | {_fmt(_get(b, 'server_commits', 'rollbacks_per_unit'), 2)} | "
             f"{_fmt(_get(b, 'pg_cpu', 'cpu_ms_per_unit'), 2)} | — | — | "
-            f"{_fmt(_get(b, 'server_commits', 'late_commits'), 0)} |"
+            f"{_fmt(_get(b, 'server_commits', 'tail_s'), 1)} |"
         )
     if not rows:
         return []

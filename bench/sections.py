@@ -26,7 +26,14 @@ from .common import (
     running_cluster,
     shell_json,
 )
-from .pgstats import BackendCpu, counter_delta, db_counters, per_unit, pg_cpu_summary
+from .pgstats import (
+    BackendCpu,
+    close_window,
+    counter_delta,
+    db_counters,
+    per_unit,
+    pg_cpu_summary,
+)
 
 STAGES_PER_RUN = 4
 
@@ -86,6 +93,14 @@ def _db_url(env: dict[str, str]) -> str:
     return env["DATABASE_URL"]
 
 
+def _close_server_window(data: dict[str, Any], cluster: Any, env: dict[str, str], t_end: float):
+    """Stop the cluster (its backends flush their counters at exit), then the closing
+    ``pg_stat_database`` read of the window the driver opened (PostgreSQL only)."""
+    cluster.stop()
+    if data.get("server"):
+        data["server"] = close_window(data["server"], _db_url(env).rsplit("/", 1)[1], t_end)
+
+
 def _ms(values: list[float]) -> dict[str, float | None]:
     return {
         "p50_ms": _round(percentile(values, 50)),
@@ -130,7 +145,8 @@ def ours_throughput(dbs: Databases, backend: str, runs: int) -> dict[str, Any]:
             backend_cpu(_db_url(env)) as sampler,
         ):
             data = shell_json(
-                env, f"from bench.benchapp.drivers import create_and_wait; create_and_wait({runs})"
+                cluster.driver_env(),
+                f"from bench.benchapp.drivers import create_and_wait; create_and_wait({runs})",
             )
             cluster.wait_sample_after(data["t_seen_done"])
             out = _run_metrics(data)
@@ -154,6 +170,7 @@ def ours_throughput(dbs: Databases, backend: str, runs: int) -> dict[str, Any]:
             out["cluster_statements_per_stage_with_checks"] = _round(
                 (statements + checks) / stages if statements is not None and stages else None
             )
+            _close_server_window(data, cluster, env, data["t_seen_done"])
             out.update(server_metrics(data, sampler, data["t_start"], last, stages))
     out["loadavg_1m"] = round(os.getloadavg()[0], 2)
     return out
@@ -166,11 +183,13 @@ def django_q2_chain(dbs: Databases, backend: str, runs: int) -> dict[str, Any]:
     with fresh_project(dbs, backend, "djq") as (env, var_dir):
         with running_cluster(env, var_dir) as cluster, backend_cpu(_db_url(env)) as sampler:
             data = shell_json(
-                env, f"from bench.benchapp.drivers import chain_and_wait; chain_and_wait({runs})"
+                cluster.driver_env(),
+                f"from bench.benchapp.drivers import chain_and_wait; chain_and_wait({runs})",
             )
             end = data["t_last_done"] or data["t_seen_done"]
             cluster.wait_sample_after(end)
             cpu = cluster.cpu_between(data["t_start"], end)
+            _close_server_window(data, cluster, env, data["t_seen_done"])
             server = server_metrics(data, sampler, data["t_start"], end, tasks)
     seconds = max(end - data["t_start"], 1e-9)
     return {
@@ -216,6 +235,8 @@ def dbos(dbs: Databases, runs: int, mode: str) -> dict[str, Any]:
             if done.returncode != 0 or not lines:
                 return {"mode": mode, "error": f"exit {done.returncode}: {done.stderr[-1500:]}"}
             out = json.loads(lines[-1])
+            # the peer has exited: its backends have flushed their counters
+            out["server"] = close_window(out.get("server"), url.rsplit("/", 1)[1], out["t_end"])
             out.update(server_metrics(out, sampler, out["t_start"], out["t_end"], out["steps"]))
         out.pop("server", None)
         out["steps_per_s"] = round(out["steps_per_s"], 2)
@@ -374,9 +395,9 @@ def burst(dbs: Databases, backend: str, runs: int, *, delivery_timeout: float) -
     delivery plugin (event delivery under a burst)."""
     plugin = "bench.benchapp.plugins.delivery_recorder"
     with fresh_project(dbs, backend, "burst", WORKFLOWS_PLUGINS=plugin) as (env, var_dir):
-        with running_cluster(env, var_dir), backend_cpu(_db_url(env)) as sampler:
+        with running_cluster(env, var_dir) as cluster, backend_cpu(_db_url(env)) as sampler:
             data = shell_json(
-                env,
+                cluster.driver_env(),
                 "from bench.benchapp.drivers import create_and_wait; "
                 f"create_and_wait({runs}, one_transaction=True, "
                 f"delivery_timeout={delivery_timeout})",
@@ -387,6 +408,7 @@ def burst(dbs: Databases, backend: str, runs: int, *, delivery_timeout: float) -
                 max((r["completed_at"] or 0 for r in data["runs"]), default=0)
                 or (data["t_seen_done"])
             )
+            _close_server_window(data, cluster, env, data["t_seen_done"])
             out.update(
                 server_metrics(
                     data, sampler, data["t_start"], last, out["completed"] * STAGES_PER_RUN

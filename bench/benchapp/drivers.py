@@ -24,15 +24,9 @@ def _ts(value: datetime | None) -> float | None:
     return value.timestamp() if value is not None else None
 
 
-#: how many times :func:`_wait` evaluated a predicate (each one autocommit query = one
-#: server transaction): subtracted from the server's commit count of a round
-POLLS = {"count": 0}
-
-
 def _wait(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while True:
-        POLLS["count"] += 1
         if predicate():
             return True
         if time.monotonic() > deadline:
@@ -41,14 +35,22 @@ def _wait(predicate: Callable[[], bool], timeout: float, interval: float = 0.02)
 
 
 class _ServerCounters:
-    """``pg_stat_database`` of this process's database read from an admin connection (see
-    bench/pgstats.py) around a measured window; a no-op on SQLite."""
+    """The opening ``pg_stat_database`` read of a measured window (bench/pgstats.py) and the
+    count of this driver's own transactions in it; a no-op on SQLite.
+
+    The closing read is the parent's, after the cluster and this process have exited (a
+    backend flushes its counters at exit; an idle one otherwise keeps them up to 10 s). The
+    opening read waits until the cluster has been up :data:`bench.pgstats.IDLE_FLUSH_S`, so
+    what its backends did at start-up is flushed before it.
+    """
 
     def __init__(self) -> None:
         from django.db import connection
 
         self.before: dict[str, float] | None = None
         self.conn: Any = None
+        self.driver_xacts = 0
+        self.counting = False
         if connection.vendor != "postgresql":
             return
         import psycopg
@@ -60,38 +62,39 @@ class _ServerCounters:
         self.dbname = connection.settings_dict["NAME"]
         self.conn = psycopg.connect(PG_ADMIN_URL, autocommit=True)
         self.own_same_db = PG_ADMIN_URL.rsplit("/", 1)[1].split("?")[0] == self.dbname
+        connection.execute_wrappers.append(self._count)
+
+    def _count(self, execute: Callable[..., Any], sql: str, params: Any, many: bool, ctx: Any):
+        # every statement of this driver outside the creates is an autocommit read: one
+        # server transaction each (subtracted from the window's commits)
+        if self.counting:
+            self.driver_xacts += 1
+        return execute(sql, params, many, ctx)
 
     def start(self) -> None:
-        if self.conn is not None:
-            from bench.pgstats import db_counters
+        if self.conn is None:
+            return
+        import os
 
-            time.sleep(1.5)  # let every backend flush what it did before the window
-            self.polls0 = POLLS["count"]
-            self.before = db_counters(self.conn, self.dbname)
+        from bench.pgstats import IDLE_FLUSH_S, db_counters
 
-    def finish(self) -> dict[str, Any] | None:
-        """The window's delta, read :data:`bench.pgstats.FLUSH_WAIT_S` after now; this
-        driver's polling transactions are subtracted."""
-        if self.conn is None or self.before is None:
-            return None
-        from bench.pgstats import FLUSH_WAIT_S, counter_delta, db_counters
-
-        polls = POLLS["count"] - self.polls0
-        t_end = time.time()
-        time.sleep(FLUSH_WAIT_S)
-        after = db_counters(self.conn, self.dbname)
-        # flush check: commits in a second equal wait after the read; about the idle rate x
-        # wait if every backend had flushed by the read, much more if the read was early
-        time.sleep(FLUSH_WAIT_S)
-        late = db_counters(self.conn, self.dbname)
+        started = float(os.environ.get("BENCH_CLUSTER_STARTED") or 0)
+        time.sleep(max(1.5, started + IDLE_FLUSH_S - time.time()))
+        self.before = db_counters(self.conn, self.dbname)
         self.conn.close()
-        out = counter_delta(
-            self.before, after, own_xacts=1 if self.own_same_db else 0, driver_xacts=polls
-        )
-        out["t_end"] = t_end
-        out["flush_wait_s"] = FLUSH_WAIT_S
-        out["late_commits"] = int(late["xact_commit"] - after["xact_commit"])
-        return out
+
+    def creating(self, active: bool) -> None:
+        """``True`` while the driver creates runs (engine work, counted), else ``False``."""
+        self.counting = not active and self.before is not None
+
+    def result(self) -> dict[str, Any] | None:
+        if self.before is None:
+            return None
+        return {
+            "before": self.before,
+            "driver_xacts": self.driver_xacts,
+            "own_xacts": 1 if self.own_same_db else 0,
+        }
 
 
 def _run_rows(run_ids: list[str]) -> list[dict[str, Any]]:
@@ -143,6 +146,7 @@ def create_and_wait(
 
     counters = _ServerCounters()
     counters.start()
+    counters.creating(True)
     t_start = time.time()
     if one_transaction:
         with transaction.atomic():
@@ -150,19 +154,19 @@ def create_and_wait(
     else:
         ids = [start_run(workflow, {"n": i}) for i in range(n)]
     t_created = time.time()
+    counters.creating(False)
     finished = _wait(lambda: _terminal_count(ids) >= n, timeout, interval=0.05)
     t_seen = time.time()
-    server = counters.finish()
     out: dict[str, Any] = {
         "t_start": t_start,
         "t_created": t_created,
         "t_seen_done": t_seen,
         "timed_out": not finished,
         "runs": _run_rows(ids),
-        "server": server,
     }
     if delivery_timeout > 0:
         out.update(_wait_for_deliveries(ids, delivery_timeout))
+    out["server"] = counters.result()
     print(json.dumps(out))
 
 
@@ -284,17 +288,18 @@ def chain_and_wait(n: int, *, timeout: float = 600) -> None:
 
     counters = _ServerCounters()
     counters.start()
+    counters.creating(True)
     t_start = time.time()
     for i in range(n):
         async_task("bench.benchapp.tasks.chain_step", i, 1)
     t_created = time.time()
+    counters.creating(False)
     finished = _wait(
         lambda: WorkflowBlob.objects.filter(key__startswith=MARKER_PREFIX).count() >= n,
         timeout,
         interval=0.05,
     )
     t_seen = time.time()
-    server = counters.finish()
     last = (
         WorkflowBlob.objects.filter(key__startswith=MARKER_PREFIX)
         .order_by("-created_at")
@@ -309,7 +314,7 @@ def chain_and_wait(n: int, *, timeout: float = 600) -> None:
                 "t_seen_done": t_seen,
                 "t_last_done": _ts(last),
                 "timed_out": not finished,
-                "server": server,
+                "server": counters.result(),
             }
         )
     )

@@ -69,11 +69,14 @@ def _write() -> None:
     pid = os.getpid()
     path = _directory / f"{pid}.json"
     tmp = _directory / f".{pid}.tmp"
-    tmp.write_text(
-        json.dumps(
-            {"pid": pid, "statements": snapshot[0], "control": snapshot[1], "t": time.time()}
-        )
-    )
+    record = {
+        "pid": pid,
+        "statements": snapshot[0],
+        "control": snapshot[1],
+        "health_checks": snapshot[2],
+        "t": time.time(),
+    }
+    tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
 
 
