@@ -569,6 +569,8 @@ def _conditions_section(data: dict[str, Any]) -> list[str]:
 
         def ratio(key: str, c: dict[str, Any] = c) -> str:
             per = c.get(f"ratio_vs_{key}_per_round") or []
+            if not per:
+                return "—"
             return f"{_fmt(c.get(f'ratio_vs_{key}'), 3)} ({', '.join(f'{x:.2f}' for x in per)})"
 
         loads = ", ".join(_fmt(x, 2) for x in c.get("loadavg_1m") or [])

@@ -27,6 +27,7 @@ from .common import (
     shell_json,
 )
 from .pgstats import (
+    IDLE_FLUSH_S,
     BackendCpu,
     close_window,
     counter_delta,
@@ -424,9 +425,10 @@ def burst(dbs: Databases, backend: str, runs: int, *, delivery_timeout: float) -
 
 
 def idle_cluster(dbs: Databases, backend: str, seconds: float) -> dict[str, Any]:
-    """Section 6: a cluster up with no runs for ``seconds``: statements/s summed over every
-    cluster process (bench/benchapp/sqlcount.py), the cluster's CPU % of one core (a busy-wait
-    shows as tens of %), and on PostgreSQL the server's commits/s and backend CPU %."""
+    """Section 6: a cluster up with no runs for ``seconds`` (from 10.5 s after its start):
+    statements/s summed over every cluster process (bench/benchapp/sqlcount.py), the cluster's
+    CPU % of one core (a busy-wait shows as tens of %), and on PostgreSQL the server's
+    commits/s and backend CPU %."""
     import time
 
     with fresh_project(dbs, backend, "idle") as (env, var_dir):
@@ -441,7 +443,8 @@ def idle_cluster(dbs: Databases, backend: str, seconds: float) -> dict[str, Any]
 
                 conn = psycopg.connect(PG_ADMIN_URL, autocommit=True)
             try:
-                time.sleep(2.0)  # start-up done, every process has written its count file
+                # start-up over (and, on PostgreSQL, its idle backends' counters flushed)
+                time.sleep(max(2.0, cluster.started_at + IDLE_FLUSH_S - time.time()))
                 t0 = time.time()
                 before = db_counters(conn, dbname) if conn is not None else None
                 time.sleep(seconds)
