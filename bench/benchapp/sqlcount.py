@@ -40,6 +40,15 @@ _lock = threading.Lock()
 _directory: Path | None = None
 
 
+def _new_lock_in_child() -> None:
+    # a fork while the writer thread held the lock would leave the child's copy held forever
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def _reset_for_this_process() -> None:
     """First statement in this pid (a fresh process or a forked child): zero and start a writer."""
     _state.update(pid=os.getpid(), statements=0, control=0, health_checks=0, written=None)
