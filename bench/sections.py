@@ -75,7 +75,8 @@ def server_metrics(
     t1: float,
     units: int,
 ) -> dict[str, Any]:
-    """``server_commits`` (pg_stat_database delta read by the driver, per unit) and
+    """``server_commits`` (pg_stat_database delta: opened by the driver, closed by
+    :func:`bench.pgstats.close_window`; per unit) and
     ``pg_cpu`` (backend CPU over [t0, t1], per unit) of one measurement; PostgreSQL only."""
     server = data.get("server")
     out: dict[str, Any] = {"server_commits": per_unit(server, units) if server else None}
@@ -94,7 +95,9 @@ def _db_url(env: dict[str, str]) -> str:
     return env["DATABASE_URL"]
 
 
-def _close_server_window(data: dict[str, Any], cluster: Any, env: dict[str, str], t_end: float):
+def _close_server_window(
+    data: dict[str, Any], cluster: Any, env: dict[str, str], t_end: float
+) -> None:
     """Stop the cluster (its backends flush their counters at exit), then the closing
     ``pg_stat_database`` read of the window the driver opened (PostgreSQL only)."""
     cluster.stop()
