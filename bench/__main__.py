@@ -21,8 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from . import sections
-from .common import Databases
-from .report import environment, evaluate_targets, render_markdown, summarize_rounds
+from .common import Databases, background_load
+from .report import (
+    environment,
+    evaluate_targets,
+    render_markdown,
+    summarize_conditions,
+    summarize_rounds,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -39,6 +45,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--pgbench-seconds", type=int, default=None, help="per pgbench run (5)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    parser.add_argument(
+        "--load",
+        choices=["quiet", "loaded", "both"],
+        default="both",
+        help="rounds without and/or with one busy core started by the bench (both)",
+    )
+    parser.add_argument(
+        "--idle-seconds", type=float, default=None, help="idle-cluster window in s (20)"
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     args.runs = args.runs or (30 if quick else 300)
@@ -48,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.delivery_wait if args.delivery_wait is not None else (20.0 if quick else 75.0)
     )
     args.pgbench_seconds = args.pgbench_seconds or (2 if quick else 5)
+    args.idle_seconds = args.idle_seconds or (5.0 if quick else 20.0)
     return args
 
 
@@ -72,30 +88,41 @@ def bench_database(
     """All sections on one database."""
     n = args.runs
     rounds: list[dict[str, Any]] = []
+    conditions = ["quiet", "loaded"] if args.load == "both" else [args.load]
     for r in range(1, args.rounds + 1):
         entry: dict[str, Any] = {"round": r}
-        peers: list[tuple[str, Callable[[], Any]]] = [
-            ("ours", lambda: sections.ours_throughput(dbs, backend, n)),
-        ]
-        if backend == "postgres":
-            peers += [
-                ("dbos_direct", lambda: sections.dbos(dbs, n, "direct")),
-                ("dbos_queue", lambda: sections.dbos(dbs, n, "queue")),
+        for condition in conditions:
+            # quiet results stay at the round's top level (the existing keys); loaded ones
+            # go under "loaded", measured with one busy core the bench starts and kills
+            target = entry if condition == "quiet" else entry.setdefault("loaded", {})
+            peers: list[tuple[str, Callable[[], Any]]] = [
+                ("ours", lambda: sections.ours_throughput(dbs, backend, n)),
             ]
-        peers.append(("django_q2_chain", lambda: sections.django_q2_chain(dbs, backend, n)))
-        if backend == "postgres":
-            peers += [
-                ("pgbench_1", lambda: sections.pgbench(dbs, 1, args.pgbench_seconds)),
-                ("pgbench_4", lambda: sections.pgbench(dbs, 4, args.pgbench_seconds)),
-            ]
-        for name, fn in peers:
-            log(f"{backend} round {r}/{args.rounds}: {name}")
-            entry[name] = guarded(errors, f"{backend} round {r} {name}", fn)
-            if isinstance(entry[name], dict) and entry[name].get("error"):
-                errors.append(f"{backend} round {r} {name}: {entry[name]['error'][:300]}")
-        entry["loadavg_1m"] = round(os.getloadavg()[0], 2)
+            if backend == "postgres":
+                peers += [
+                    ("dbos_direct", lambda: sections.dbos(dbs, n, "direct")),
+                    ("dbos_queue", lambda: sections.dbos(dbs, n, "queue")),
+                ]
+            peers.append(("django_q2_chain", lambda: sections.django_q2_chain(dbs, backend, n)))
+            if backend == "postgres" and condition == "quiet":
+                peers += [
+                    ("pgbench_1", lambda: sections.pgbench(dbs, 1, args.pgbench_seconds)),
+                    ("pgbench_4", lambda: sections.pgbench(dbs, 4, args.pgbench_seconds)),
+                ]
+            with background_load(condition == "loaded"):
+                for name, fn in peers:
+                    label = f"{backend} round {r} {condition} {name}"
+                    log(f"{backend} round {r}/{args.rounds} ({condition}): {name}")
+                    target[name] = guarded(errors, label, fn)
+                    if isinstance(target[name], dict) and target[name].get("error"):
+                        errors.append(f"{label}: {target[name]['error'][:300]}")
+                target["loadavg_1m"] = round(os.getloadavg()[0], 2)
         rounds.append(entry)
-    out: dict[str, Any] = {"rounds": rounds, **summarize_rounds(rounds)}
+    out: dict[str, Any] = {
+        "rounds": rounds,
+        **summarize_rounds(rounds),
+        "conditions": summarize_conditions(rounds),
+    }
     log(f"{backend}: in-process counts")
     out["statements"] = guarded(
         errors, f"{backend} statements", lambda: sections.in_process(dbs, backend)
@@ -113,6 +140,12 @@ def bench_database(
         errors,
         f"{backend} burst",
         lambda: sections.burst(dbs, backend, n, delivery_timeout=args.delivery_wait),
+    )
+    log(f"{backend}: idle cluster ({args.idle_seconds} s)")
+    out["idle"] = guarded(
+        errors,
+        f"{backend} idle cluster",
+        lambda: sections.idle_cluster(dbs, backend, args.idle_seconds),
     )
     return out
 
@@ -145,6 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     result["ratio_vs_dbos"] = ratios.get("vs_dbos_direct", {}).get("median")
     result["ratio_vs_django_q2"] = ratios.get("vs_django_q2_chain", {}).get("median")
     result["ratio_database"] = primary
+    # per condition (quiet / loaded): medians of rounds on the primary database
+    result["ratios_by_condition"] = {
+        condition: {
+            "ratio_vs_dbos": c.get("ratio_vs_dbos_direct"),
+            "ratio_vs_dbos_queue": c.get("ratio_vs_dbos_queue"),
+            "ratio_vs_django_q2": c.get("ratio_vs_django_q2_chain"),
+            "loadavg_1m_median": c.get("loadavg_1m_median"),
+        }
+        for condition, c in result["databases"][primary].get("conditions", {}).items()
+    }
     result["targets"] = evaluate_targets(result)
     result["errors"] = errors
     markdown = render_markdown(result)

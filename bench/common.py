@@ -191,10 +191,17 @@ class Cluster:
     cpu_samples: list[tuple[float, float]] = field(default_factory=list)
     _stop_sampler: threading.Event = field(default_factory=threading.Event)
     _sampler: threading.Thread | None = None
+    #: wall time the qcluster process was started
+    started_at: float = 0.0
+    #: ``BENCH_SQL_COUNT_DIR`` of the cluster's processes (None: no statement counting)
+    sql_count_dir: Path | None = None
+    #: (wall time, statements, health checks of all cluster processes so far) per CPU sample
+    statement_samples: list[tuple[float, int, int]] = field(default_factory=list)
 
     def start(self, workers: int = 2, timeout: float = 60) -> Cluster:
         """Start the cluster and wait until its worker processes exist (plus 1 s to settle)."""
         self._log = open(self.log_path, "a")
+        self.started_at = time.time()
         self.proc = subprocess.Popen(
             [sys.executable, "manage.py", "qcluster"],
             cwd=ROOT,
@@ -244,8 +251,13 @@ class Cluster:
     def _sample_rss(self) -> None:
         import psutil
 
+        from .benchapp.sqlcount import read_total
+
         while True:
-            self.cpu_samples.append((time.time(), self.cpu_seconds().cpu_seconds))
+            now = time.time()
+            self.cpu_samples.append((now, self.cpu_seconds().cpu_seconds))
+            if self.sql_count_dir is not None:
+                self.statement_samples.append((now, *read_total(self.sql_count_dir)))
             for p in self._tree()[1:]:
                 try:
                     self.peak_worker_rss = max(self.peak_worker_rss, p.memory_info().rss)
@@ -265,6 +277,18 @@ class Cluster:
             return None
         return after[0] - before[-1]
 
+    def statements_between(self, t0: float, t1: float) -> tuple[int, int] | None:
+        """(statements through the cursor, connection health checks) of all cluster processes
+        between wall times ``t0`` and ``t1`` (same sample rule as :meth:`cpu_between`; each
+        process writes its counts every 0.25 s, so the ends are known to within 0.25 s + one
+        sample)."""
+        samples = list(self.statement_samples)
+        before = [s for s in samples if s[0] <= t0]
+        after = [s for s in samples if s[0] >= t1]
+        if not before or not after:
+            return None
+        return after[0][1] - before[-1][1], after[0][2] - before[-1][2]
+
     def wait_sample_after(self, t: float, timeout: float = 2) -> None:
         """Block until the sampler has a sample taken after wall time ``t``."""
         deadline = time.monotonic() + timeout
@@ -273,8 +297,14 @@ class Cluster:
                 return
             time.sleep(0.05)
 
+    def driver_env(self) -> dict[str, str]:
+        """The environment of a driver process for this cluster (``BENCH_CLUSTER_STARTED``)."""
+        env = {k: v for k, v in self.env.items() if k != "BENCH_SQL_COUNT_DIR"}
+        return {**env, "BENCH_CLUSTER_STARTED": str(self.started_at)}
+
     def stop(self, timeout: float = 30) -> None:
-        """SIGTERM to the main pid only; SIGKILL to the group if it hangs past ``timeout``."""
+        """SIGTERM to the main pid only; SIGKILL to the group if it hangs past ``timeout``.
+        Idempotent (the bench stops a cluster early to read the server's counters)."""
         self._stop_sampler.set()
         if self.proc is not None:
             if self.proc.poll() is None:
@@ -297,9 +327,18 @@ class Cluster:
 
 
 @contextmanager
-def running_cluster(env: dict[str, str], var_dir: Path) -> Iterator[Cluster]:
-    """A started cluster that is stopped on exit (also on errors)."""
-    cluster = Cluster(env, var_dir / "qcluster.log")
+def running_cluster(
+    env: dict[str, str], var_dir: Path, *, count_statements: bool = False
+) -> Iterator[Cluster]:
+    """A started cluster that is stopped on exit (also on errors). ``count_statements``: every
+    cluster process counts its SQL statements (``BENCH_SQL_COUNT_DIR``, bench/benchapp/
+    sqlcount.py) into ``var_dir/sqlcount``, sampled into :attr:`Cluster.statement_samples`."""
+    count_dir = None
+    if count_statements:
+        count_dir = var_dir / "sqlcount"
+        count_dir.mkdir(exist_ok=True)
+        env = {**env, "BENCH_SQL_COUNT_DIR": str(count_dir)}
+    cluster = Cluster(env, var_dir / "qcluster.log", sql_count_dir=count_dir)
     try:
         yield cluster.start(workers=int(env.get("Q_WORKERS", "2")))
     finally:
@@ -311,3 +350,23 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     t0 = time.perf_counter()
     value = fn()
     return value, time.perf_counter() - t0
+
+
+#: the background load: one process spinning in pure Python (one busy core)
+SPINNER = "while True:\n    pass\n"
+
+
+@contextmanager
+def background_load(enabled: bool = True) -> Iterator[subprocess.Popen[bytes] | None]:
+    """One busy core while the block runs (a ``python -c`` busy loop started before, killed by
+    its pid after); ``enabled=False`` yields None and starts nothing."""
+    if not enabled:
+        yield None
+        return
+    proc = subprocess.Popen([sys.executable, "-c", SPINNER])
+    try:
+        time.sleep(0.5)  # running before the measurement starts
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()

@@ -30,6 +30,11 @@ def main() -> None:
     parser.add_argument("--url", required=True)
     parser.add_argument("--runs", type=int, required=True)
     parser.add_argument("--mode", choices=["direct", "queue"], required=True)
+    parser.add_argument(
+        "--stats-admin-url",
+        default=None,
+        help="read pg_stat_database of --url's database from this admin URL around the window",
+    )
     args = parser.parse_args()
 
     import dbos
@@ -71,7 +76,18 @@ def main() -> None:
         )
         for i in range(2):  # warm-up (connections, first-call paths), not measured
             bench_4(-1 - i)
-        cpu0, t0 = time.process_time(), time.perf_counter()
+        dbname, before = args.url.rsplit("/", 1)[1].split("?")[0], None
+        if args.stats_admin_url:
+            # opening read of pg_stat_database (bench/pgstats.py): after the warm-up's idle
+            # backends have flushed; the closing read is the bench's, once we have exited
+            import psycopg
+
+            from bench.pgstats import IDLE_FLUSH_S, db_counters
+
+            time.sleep(IDLE_FLUSH_S)
+            with psycopg.connect(args.stats_admin_url, autocommit=True) as stats_conn:
+                before = db_counters(stats_conn, dbname)
+        cpu0, t0, t0_wall = time.process_time(), time.perf_counter(), time.time()
         if args.mode == "direct":
             per_thread = [args.runs // 2, args.runs - args.runs // 2]
             errors: list[BaseException] = []
@@ -98,7 +114,8 @@ def main() -> None:
             for h in handles:
                 h.get_result()
         seconds = time.perf_counter() - t0
-        cpu = time.process_time() - cpu0
+        cpu, t1_wall = time.process_time() - cpu0, time.time()
+        server = {"before": before, "driver_xacts": 0, "own_xacts": 0} if before else None
     finally:
         DBOS.destroy()
     steps = args.runs * STEPS_PER_WORKFLOW
@@ -113,6 +130,9 @@ def main() -> None:
                 "steps_per_s": steps / seconds,
                 "workflows_per_s": args.runs / seconds,
                 "process_cpu_ms_per_step": cpu * 1000 / steps,
+                "server": server,
+                "t_start": t0_wall,
+                "t_end": t1_wall,
             }
         )
     )

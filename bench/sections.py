@@ -16,7 +16,25 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .common import ROOT, Databases, migrate, percentile, project_env, running_cluster, shell_json
+from .common import (
+    PG_ADMIN_URL,
+    ROOT,
+    Databases,
+    migrate,
+    percentile,
+    project_env,
+    running_cluster,
+    shell_json,
+)
+from .pgstats import (
+    IDLE_FLUSH_S,
+    BackendCpu,
+    close_window,
+    counter_delta,
+    db_counters,
+    per_unit,
+    pg_cpu_summary,
+)
 
 STAGES_PER_RUN = 4
 
@@ -34,6 +52,57 @@ def fresh_project(
         yield env, var_dir
     finally:
         dbs.drop(url)
+
+
+@contextmanager
+def backend_cpu(url: str) -> Iterator[BackendCpu | None]:
+    """A :class:`BackendCpu` sampler of ``url``'s PostgreSQL database while the block runs
+    (None on SQLite)."""
+    if url.startswith("sqlite:"):
+        yield None
+        return
+    sampler = BackendCpu(url.rsplit("/", 1)[1]).start()
+    try:
+        yield sampler
+    finally:
+        sampler.stop()
+
+
+def server_metrics(
+    data: dict[str, Any],
+    sampler: BackendCpu | None,
+    t0: float,
+    t1: float,
+    units: int,
+) -> dict[str, Any]:
+    """``server_commits`` (pg_stat_database delta: opened by the driver, closed by
+    :func:`bench.pgstats.close_window`; per unit) and
+    ``pg_cpu`` (backend CPU over [t0, t1], per unit) of one measurement; PostgreSQL only."""
+    server = data.get("server")
+    out: dict[str, Any] = {"server_commits": per_unit(server, units) if server else None}
+    if sampler is not None:
+        sampler.wait_sample_after(t1)
+        measured = sampler.cpu_between(t0, t1)
+        out["pg_cpu"] = pg_cpu_summary(measured, units, (server or {}).get("sessions"))
+        if sampler.error:
+            out["pg_cpu"] = {"error": sampler.error}
+    else:
+        out["pg_cpu"] = None
+    return out
+
+
+def _db_url(env: dict[str, str]) -> str:
+    return env["DATABASE_URL"]
+
+
+def _close_server_window(
+    data: dict[str, Any], cluster: Any, env: dict[str, str], t_end: float
+) -> None:
+    """Stop the cluster (its backends flush their counters at exit), then the closing
+    ``pg_stat_database`` read of the window the driver opened (PostgreSQL only)."""
+    cluster.stop()
+    if data.get("server"):
+        data["server"] = close_window(data["server"], _db_url(env).rsplit("/", 1)[1], t_end)
 
 
 def _ms(values: list[float]) -> dict[str, float | None]:
@@ -75,9 +144,13 @@ def ours_throughput(dbs: Databases, backend: str, runs: int) -> dict[str, Any]:
     """Section 1 (and the "ours" side of section 2): ``runs`` bench-4 runs through a real
     2-worker cluster on a fresh database, created as fast as possible from a separate process."""
     with fresh_project(dbs, backend, "ours") as (env, var_dir):
-        with running_cluster(env, var_dir) as cluster:
+        with (
+            running_cluster(env, var_dir, count_statements=True) as cluster,
+            backend_cpu(_db_url(env)) as sampler,
+        ):
             data = shell_json(
-                env, f"from bench.benchapp.drivers import create_and_wait; create_and_wait({runs})"
+                cluster.driver_env(),
+                f"from bench.benchapp.drivers import create_and_wait; create_and_wait({runs})",
             )
             cluster.wait_sample_after(data["t_seen_done"])
             out = _run_metrics(data)
@@ -91,6 +164,18 @@ def ours_throughput(dbs: Databases, backend: str, runs: int) -> dict[str, Any]:
                 cpu * 1000 / stages if cpu and stages else None
             )
             out["peak_worker_rss_mb"] = round(cluster.peak_worker_rss / 2**20, 1)
+            counted = cluster.statements_between(data["t_start"], last)
+            statements, checks = counted if counted is not None else (None, None)
+            out["cluster_statements"] = statements
+            out["cluster_health_checks"] = checks
+            out["cluster_statements_per_stage"] = _round(
+                statements / stages if statements is not None and stages else None
+            )
+            out["cluster_statements_per_stage_with_checks"] = _round(
+                (statements + checks) / stages if statements is not None and stages else None
+            )
+            _close_server_window(data, cluster, env, data["t_seen_done"])
+            out.update(server_metrics(data, sampler, data["t_start"], last, stages))
     out["loadavg_1m"] = round(os.getloadavg()[0], 2)
     return out
 
@@ -98,17 +183,21 @@ def ours_throughput(dbs: Databases, backend: str, runs: int) -> dict[str, Any]:
 def django_q2_chain(dbs: Databases, backend: str, runs: int) -> dict[str, Any]:
     """Section 2 peer: ``runs`` chains of 4 trivial django-q2 tasks through the same cluster
     configuration (2 workers, ORM broker) on a fresh database."""
+    tasks = runs * 4
     with fresh_project(dbs, backend, "djq") as (env, var_dir):
-        with running_cluster(env, var_dir) as cluster:
+        with running_cluster(env, var_dir) as cluster, backend_cpu(_db_url(env)) as sampler:
             data = shell_json(
-                env, f"from bench.benchapp.drivers import chain_and_wait; chain_and_wait({runs})"
+                cluster.driver_env(),
+                f"from bench.benchapp.drivers import chain_and_wait; chain_and_wait({runs})",
             )
             end = data["t_last_done"] or data["t_seen_done"]
             cluster.wait_sample_after(end)
             cpu = cluster.cpu_between(data["t_start"], end)
+            _close_server_window(data, cluster, env, data["t_seen_done"])
+            server = server_metrics(data, sampler, data["t_start"], end, tasks)
     seconds = max(end - data["t_start"], 1e-9)
-    tasks = runs * 4
     return {
+        **server,
         "chains": runs,
         "tasks": tasks,
         "timed_out": data["timed_out"],
@@ -128,26 +217,32 @@ def dbos(dbs: Databases, runs: int, mode: str) -> dict[str, Any]:
         return {"mode": mode, "error": f"dbos is not importable: {exc!r} (pip install '.[bench]')"}
     url = dbs.postgres("dbos")
     try:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "bench.dbos_peer",
-                "--url",
-                url,
-                *("--runs", str(runs)),
-                "--mode",
-                mode,
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        lines = done.stdout.strip().splitlines()
-        if done.returncode != 0 or not lines:
-            return {"mode": mode, "error": f"exit {done.returncode}: {done.stderr[-1500:]}"}
-        out = json.loads(lines[-1])
+        with backend_cpu(url) as sampler:
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.dbos_peer",
+                    "--url",
+                    url,
+                    *("--runs", str(runs)),
+                    "--mode",
+                    mode,
+                    *("--stats-admin-url", PG_ADMIN_URL),
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            lines = done.stdout.strip().splitlines()
+            if done.returncode != 0 or not lines:
+                return {"mode": mode, "error": f"exit {done.returncode}: {done.stderr[-1500:]}"}
+            out = json.loads(lines[-1])
+            # the peer has exited: its backends have flushed their counters
+            out["server"] = close_window(out.get("server"), url.rsplit("/", 1)[1], out["t_end"])
+            out.update(server_metrics(out, sampler, out["t_start"], out["t_end"], out["steps"]))
+        out.pop("server", None)
         out["steps_per_s"] = round(out["steps_per_s"], 2)
         out["loadavg_1m"] = round(os.getloadavg()[0], 2)
         return out
@@ -304,19 +399,88 @@ def burst(dbs: Databases, backend: str, runs: int, *, delivery_timeout: float) -
     delivery plugin (event delivery under a burst)."""
     plugin = "bench.benchapp.plugins.delivery_recorder"
     with fresh_project(dbs, backend, "burst", WORKFLOWS_PLUGINS=plugin) as (env, var_dir):
-        with running_cluster(env, var_dir):
+        with running_cluster(env, var_dir) as cluster, backend_cpu(_db_url(env)) as sampler:
             data = shell_json(
-                env,
+                cluster.driver_env(),
                 "from bench.benchapp.drivers import create_and_wait; "
                 f"create_and_wait({runs}, one_transaction=True, "
                 f"delivery_timeout={delivery_timeout})",
                 timeout=600 + delivery_timeout,
             )
-    out = _run_metrics(data)
+            out = _run_metrics(data)
+            last = (
+                max((r["completed_at"] or 0 for r in data["runs"]), default=0)
+                or (data["t_seen_done"])
+            )
+            _close_server_window(data, cluster, env, data["t_seen_done"])
+            out.update(
+                server_metrics(
+                    data, sampler, data["t_start"], last, out["completed"] * STAGES_PER_RUN
+                )
+            )
     out["event_delivery"] = delivery_stats(data, delivery_timeout)
     p50 = out["create_to_completed"]["p50_ms"]
     out["p50_over_burst"] = (
         round(p50 / (out["burst_seconds"] * 1000), 3) if p50 and out["burst_seconds"] else None
     )
     out["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    return out
+
+
+def idle_cluster(dbs: Databases, backend: str, seconds: float) -> dict[str, Any]:
+    """Section 6: a cluster up with no runs for ``seconds`` (from 10.5 s after its start):
+    statements/s summed over every cluster process (bench/benchapp/sqlcount.py), the cluster's
+    CPU % of one core (a busy-wait shows as tens of %), and on PostgreSQL the server's
+    commits/s and backend CPU %."""
+    import time
+
+    with fresh_project(dbs, backend, "idle") as (env, var_dir):
+        with (
+            running_cluster(env, var_dir, count_statements=True) as cluster,
+            backend_cpu(_db_url(env)) as sampler,
+        ):
+            conn = None
+            dbname = _db_url(env).rsplit("/", 1)[1]
+            if backend == "postgres":
+                import psycopg
+
+                conn = psycopg.connect(PG_ADMIN_URL, autocommit=True)
+            try:
+                # start-up over (and, on PostgreSQL, its idle backends' counters flushed)
+                time.sleep(max(2.0, cluster.started_at + IDLE_FLUSH_S - time.time()))
+                t0 = time.time()
+                before = db_counters(conn, dbname) if conn is not None else None
+                time.sleep(seconds)
+                t1 = time.time()
+                cluster.wait_sample_after(t1)
+                after = db_counters(conn, dbname) if conn is not None else None
+            finally:
+                if conn is not None:
+                    conn.close()
+            counted = cluster.statements_between(t0, t1)
+            cpu = cluster.cpu_between(t0, t1)
+            processes = cluster.cpu_seconds().processes
+            pg = None
+            if sampler is not None:
+                sampler.wait_sample_after(t1)
+                pg = sampler.cpu_between(t0, t1)
+    window = t1 - t0
+    out: dict[str, Any] = {
+        "seconds": round(window, 2),
+        "cluster_processes": processes,
+        "statements": counted[0] if counted else None,
+        "health_checks": counted[1] if counted else None,
+        # every statement a cluster process sends: cursor statements + health checks
+        "statements_per_s": _round(sum(counted) / window if counted else None),
+        "cursor_statements_per_s": _round(counted[0] / window if counted else None),
+        "cluster_cpu_percent": _round(cpu * 100 / window if cpu is not None else None),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+    if before is not None and after is not None:
+        # both reads lag the backends' flush by up to 1 s alike, so the rate is unbiased
+        delta = counter_delta(before, after)
+        out["server_commits_per_s"] = _round(delta["xact_commit"] / window)
+        out["server"] = delta
+    if pg is not None:
+        out["pg_cpu_percent"] = _round(pg["cpu_s"] * 100 / window)
     return out

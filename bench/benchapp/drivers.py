@@ -26,11 +26,75 @@ def _ts(value: datetime | None) -> float | None:
 
 def _wait(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while True:
+        if predicate():
+            return True
         if time.monotonic() > deadline:
             return False
         time.sleep(interval)
-    return True
+
+
+class _ServerCounters:
+    """The opening ``pg_stat_database`` read of a measured window (bench/pgstats.py) and the
+    count of this driver's own transactions in it; a no-op on SQLite.
+
+    The closing read is the parent's, after the cluster and this process have exited (a
+    backend flushes its counters at exit; an idle one otherwise keeps them up to 10 s). The
+    opening read waits until the cluster has been up :data:`bench.pgstats.IDLE_FLUSH_S`, so
+    what its backends did at start-up is flushed before it.
+    """
+
+    def __init__(self) -> None:
+        from django.db import connection
+
+        self.before: dict[str, float] | None = None
+        self.conn: Any = None
+        self.driver_xacts = 0
+        self.counting = False
+        if connection.vendor != "postgresql":
+            return
+        import psycopg
+
+        from bench.common import PG_ADMIN_URL
+
+        with connection.cursor() as cursor:  # open + initialise our own connection first
+            cursor.execute("SELECT 1")
+        self.dbname = connection.settings_dict["NAME"]
+        self.conn = psycopg.connect(PG_ADMIN_URL, autocommit=True)
+        self.own_same_db = PG_ADMIN_URL.rsplit("/", 1)[1].split("?")[0] == self.dbname
+        connection.execute_wrappers.append(self._count)
+
+    def _count(self, execute: Callable[..., Any], sql: str, params: Any, many: bool, ctx: Any):
+        # every statement of this driver outside the creates is an autocommit read: one
+        # server transaction each (subtracted from the window's commits)
+        if self.counting:
+            self.driver_xacts += 1
+        return execute(sql, params, many, ctx)
+
+    def start(self) -> None:
+        if self.conn is None:
+            return
+        import os
+
+        from bench.pgstats import IDLE_FLUSH_S, db_counters
+
+        started = float(os.environ.get("BENCH_CLUSTER_STARTED") or 0)
+        time.sleep(max(1.5, started + IDLE_FLUSH_S - time.time()))
+        self.before = db_counters(self.conn, self.dbname)
+        self.conn.close()
+
+    def creating(self, active: bool) -> None:
+        """``True`` while the driver creates runs (engine work, counted), else ``False``."""
+        self.counting = not active and self.before is not None
+
+    def result(self) -> dict[str, Any] | None:
+        if self.before is None:
+            return None
+        return {
+            "before": self.before,
+            "driver_xacts": self.driver_xacts,
+            "own_xacts": 1 if self.own_same_db else 0,
+        }
 
 
 def _run_rows(run_ids: list[str]) -> list[dict[str, Any]]:
@@ -80,6 +144,9 @@ def create_and_wait(
     """
     from django_workflows import start_run
 
+    counters = _ServerCounters()
+    counters.start()
+    counters.creating(True)
     t_start = time.time()
     if one_transaction:
         with transaction.atomic():
@@ -87,6 +154,7 @@ def create_and_wait(
     else:
         ids = [start_run(workflow, {"n": i}) for i in range(n)]
     t_created = time.time()
+    counters.creating(False)
     finished = _wait(lambda: _terminal_count(ids) >= n, timeout, interval=0.05)
     t_seen = time.time()
     out: dict[str, Any] = {
@@ -98,6 +166,7 @@ def create_and_wait(
     }
     if delivery_timeout > 0:
         out.update(_wait_for_deliveries(ids, delivery_timeout))
+    out["server"] = counters.result()
     print(json.dumps(out))
 
 
@@ -217,15 +286,20 @@ def chain_and_wait(n: int, *, timeout: float = 600) -> None:
 
     from .tasks import MARKER_PREFIX
 
+    counters = _ServerCounters()
+    counters.start()
+    counters.creating(True)
     t_start = time.time()
     for i in range(n):
         async_task("bench.benchapp.tasks.chain_step", i, 1)
     t_created = time.time()
+    counters.creating(False)
     finished = _wait(
         lambda: WorkflowBlob.objects.filter(key__startswith=MARKER_PREFIX).count() >= n,
         timeout,
         interval=0.05,
     )
+    t_seen = time.time()
     last = (
         WorkflowBlob.objects.filter(key__startswith=MARKER_PREFIX)
         .order_by("-created_at")
@@ -237,9 +311,10 @@ def chain_and_wait(n: int, *, timeout: float = 600) -> None:
             {
                 "t_start": t_start,
                 "t_created": t_created,
-                "t_seen_done": time.time(),
+                "t_seen_done": t_seen,
                 "t_last_done": _ts(last),
                 "timed_out": not finished,
+                "server": counters.result(),
             }
         )
     )

@@ -1,0 +1,122 @@
+"""The bench's issue-19 arithmetic (bench/pgstats.py, bench/report.py, bench/benchapp/
+sqlcount.py): pure functions on synthetic samples, no cluster or server needed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import report
+from bench.benchapp import sqlcount
+from bench.pgstats import BackendCpu, counter_delta, per_unit, pg_cpu_summary
+
+
+def _counters(t: float, commits: float, rollbacks: float = 0, sessions: float = 0) -> dict:
+    return {
+        "t": t,
+        "xact_commit": commits,
+        "xact_rollback": rollbacks,
+        "sessions": sessions,
+        "active_time": 0.0,
+    }
+
+
+def test_counter_delta_subtracts_reader_and_driver_transactions() -> None:
+    delta = counter_delta(_counters(0, 100), _counters(2, 190, 3, 4), own_xacts=1, driver_xacts=9)
+    assert delta["xact_commit_raw"] == 90
+    assert delta["xact_commit"] == 80
+    assert delta["xact_rollback"] == 3
+    assert delta["sessions"] == 4
+    assert per_unit(delta, 40)["commits_per_unit"] == 2.0
+
+
+def test_backend_cpu_counts_new_and_exited_backends_from_the_window_start() -> None:
+    sampler = BackendCpu("x")
+    a, b, c = (1, 10), (2, 20), (3, 30)
+    sampler.samples = [
+        (0.0, {a: 1.0, b: 5.0}, 0.0),
+        (1.0, {a: 1.5, b: 5.2, c: 0.1}, 0.0),  # c is new
+        (2.0, {a: 2.0, c: 0.4}, 0.3),  # b exited after 5.2
+        (3.0, {a: 9.0}, 0.7),  # after the window: not counted
+    ]
+    got = sampler.cpu_between(0.5, 1.5)
+    # window = samples 0..2: a 1.0, b 0.2 (last seen), c 0.4 (from birth)
+    assert abs(got["cpu_s"] - 1.6) < 1e-9
+    assert got["backends_new"] == 1
+    assert got["backends_exited"] == 1
+    assert abs(got["reaped_cpu_all_databases_s"] - 0.3) < 1e-9
+    summary = pg_cpu_summary(got, 4, sessions=3)
+    assert summary["cpu_ms_per_unit"] == 400.0
+    assert summary["sessions_not_sampled"] == 2
+    assert sampler.cpu_between(-1.0, 1.0) is None  # no sample before the start
+
+
+def _round(ours: float, dbos: float, djq: float, load: float) -> dict:
+    return {
+        "ours": {
+            "stages_per_s": ours,
+            "runs_per_s": ours / 4,
+            "cluster_cpu_ms_per_stage": 8.0,
+            "peak_worker_rss_mb": 70.0,
+            "server_commits": {"commits_per_unit": 3.0},
+        },
+        "dbos_direct": {"steps_per_s": dbos},
+        "dbos_queue": {"steps_per_s": dbos},
+        "django_q2_chain": {"tasks_per_s": djq},
+        "loadavg_1m": load,
+    }
+
+
+def test_conditions_keep_quiet_and_loaded_ratios_apart() -> None:
+    rounds = [
+        {"round": 1, **_round(100, 200, 100, 0.5), "loaded": _round(50, 50, 100, 1.5)},
+        {"round": 2, **_round(120, 200, 100, 0.7), "loaded": _round(60, 50, 100, 1.7)},
+    ]
+    c = report.summarize_conditions(rounds)
+    assert c["quiet"]["ratio_vs_dbos_direct_per_round"] == [0.5, 0.6]
+    assert c["quiet"]["ratio_vs_dbos_direct"] == 0.55
+    assert c["loaded"]["ratio_vs_dbos_direct"] == 1.1
+    assert c["loaded"]["ratio_vs_django_q2_chain"] == 0.55
+    assert c["loaded"]["loadavg_1m_median"] == 1.6
+    assert c["quiet"]["per_unit"]["ours"]["commits_per_unit"] == 3.0
+    # the existing summary still reads the quiet rounds only
+    assert report.summarize_rounds(rounds)["ratios"]["vs_dbos_direct"]["median"] == 0.55
+
+
+def test_speed_targets_fail_and_pass_per_condition() -> None:
+    rounds = [{"round": 1, **_round(100, 200, 50, 0.5), "loaded": _round(50, 40, 100, 1.5)}]
+    data = {"rounds": rounds, "conditions": report.summarize_conditions(rounds)}
+    data["idle"] = {"statements_per_s": 6.0, "cluster_cpu_percent": 1.0}
+    targets = report.evaluate_targets({"databases": {"postgres": data}})
+    by_name = {t["target"]: t["pass"] for t in targets}
+    assert by_name["stages/s ÷ DBOS direct steps/s (median, quiet)"] is False
+    assert by_name["stages/s ÷ DBOS direct steps/s (median, loaded)"] is True
+    assert by_name["stages/s ÷ django-q2 chain tasks/s (median, quiet)"] is True
+    assert by_name["server commits per stage, pg_stat_database (median quiet round)"] is False
+    assert by_name["idle cluster statements/s (all processes)"] is False
+    assert by_name["idle cluster CPU % of one core (no busy-waiting)"] is True
+    assert by_name["PostgreSQL CPU ms per stage (median quiet round)"] is None  # not measured
+
+
+def test_sqlcount_counts_statements_apart_from_transaction_control(tmp_path: Path) -> None:
+    sent: list[str] = []
+
+    def execute(sql: str, params: object, many: bool, context: object) -> str:
+        sent.append(sql)
+        return "done"
+
+    saved = dict(sqlcount._state), sqlcount._directory
+    try:
+        sqlcount._state["pid"] = None  # a "new process": zero counts
+        sqlcount._directory = tmp_path
+        for sql in ("SELECT 1", " savepoint s1", "UPDATE t SET x = 1", "RELEASE SAVEPOINT s1"):
+            assert sqlcount._count(execute, sql, None, False, {}) == "done"
+        sqlcount._bump("health_checks")
+        sqlcount._write()
+        record = json.loads(next(tmp_path.glob("*.json")).read_text())
+        assert (record["statements"], record["control"], record["health_checks"]) == (2, 2, 1)
+        assert sqlcount.read_total(tmp_path) == (2, 1)
+        assert len(sent) == 4
+    finally:
+        sqlcount._state.update(saved[0])
+        sqlcount._directory = saved[1]
