@@ -24,7 +24,9 @@ def _ts(value: datetime | None) -> float | None:
     return value.timestamp() if value is not None else None
 
 
-def _wait(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
+def _wait(predicate: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
+    """Poll ``predicate`` every ``interval`` seconds (0.1: the driver's own queries load the
+    database it measures; completion times come from the rows, not from this poll)."""
     deadline = time.monotonic() + timeout
     while True:
         if predicate():
