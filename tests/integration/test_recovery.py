@@ -35,7 +35,11 @@ from django_workflows.kernel import (
 from django_workflows.kernel import events as ev
 from django_workflows.kernel.executor import ExecutionInput, ExecutionOutcome
 from django_workflows.kernel.handlers import run_reap_stuck
-from django_workflows.kernel.hosting import process_available_jobs, run_maintenance_tick
+from django_workflows.kernel.hosting import (
+    process_available_jobs,
+    run_maintenance_tick,
+    stuck_reap_interval,
+)
 from django_workflows.kernel.locking import lock_run
 from django_workflows.kernel.queue import JobQueue
 from django_workflows.models import (
@@ -709,7 +713,8 @@ def test_reap_stuck_through_the_tick_counts_reaped_runs(
 ) -> None:
     """H-10/H-11, Part I items 3 and 4: the tick counts stale jobs given up
     (``stale_given_up``) and reaped runs (``stuck_reaped``); stuck reaping uses
-    STUCK_THRESHOLD_SECONDS (default max(3 x stale lease, 300) = 900 s)."""
+    STUCK_THRESHOLD_SECONDS (default max(3 x stale lease, 300) = 900 s) and runs at most every
+    ``stuck_reap_interval`` (issue 19: 30 s here)."""
     kernel = kernel_for(two_stage(), executor=BrokenExecutor())
     run_id = _crashed_run(kernel, clock, idle_seconds=600)
     WorkflowJob.objects.filter(workflow_run_id=run_id).update(max_attempts=1)
@@ -723,7 +728,9 @@ def test_reap_stuck_through_the_tick_counts_reaped_runs(
     WorkflowJob.objects.filter(workflow_run_id=other).update(status=Status.FAILED)
     clock.advance(899)
     assert run_maintenance_tick(kernel, "t").stuck_reaped == 0
-    clock.advance(2)
+    clock.advance(2)  # stuck now, but the reaper ran 2 s ago: it runs every 30 s at most
+    assert run_maintenance_tick(kernel, "t").stuck_reaped == 0
+    clock.advance(stuck_reap_interval(900))
     assert run_maintenance_tick(kernel, "t").stuck_reaped == 1
     assert WorkflowRun.objects.get(pk=other).output["error"]["code"] == "STUCK_RUN_REAPED"
 
