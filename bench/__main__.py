@@ -54,6 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--idle-seconds", type=float, default=None, help="idle-cluster window in s (20)"
     )
+    # --- scale section (bench/scale.py, issue 19) ---
+    parser.add_argument(
+        "--scale",
+        action="store_true",
+        help="also the scale section: 1M finished + 10k live runs (100k + 1k with --quick)",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     args.runs = args.runs or (30 if quick else 300)
@@ -168,6 +174,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for backend in backends:
             result["databases"][backend] = bench_database(dbs, backend, args, errors)
+        # --- scale section (bench/scale.py, issue 19): PostgreSQL only ---
+        if args.scale:
+            from . import scale
+
+            log("postgres: scale section")
+            result["scale"] = guarded(
+                errors,
+                "scale",
+                lambda: scale.run(
+                    dbs,
+                    100_000 if args.quick else 1_000_000,
+                    1_000 if args.quick else 10_000,
+                    50,
+                ),
+            )
     finally:
         drop_errors = dbs.drop_all()
         errors += [f"cleanup: {e}" for e in drop_errors]
@@ -191,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     result["targets"] = evaluate_targets(result)
     result["errors"] = errors
     markdown = render_markdown(result)
+    if "scale" in result:  # the scale section renders itself (bench/scale.py)
+        from . import scale
+
+        markdown += "\n" + scale.render_markdown(result["scale"])
     args.out.mkdir(parents=True, exist_ok=True)
     # --quick results get their own name (never overwrite, never to be committed)
     stem = args.out / (result["date"] + ("-quick" if args.quick else ""))
