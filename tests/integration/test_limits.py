@@ -171,9 +171,11 @@ def test_max_running_stages_holds_the_workflow_but_not_other_work(
     assert lease(kernel, "worker-3") is None
     assert running_jobs("limited") == 1
 
-    assert deliver(kernel, one, "worker-1").outcome == "completed"  # the slot frees
-    three = lease(kernel, "worker-3")
+    done = deliver(kernel, one, "worker-1")
+    assert done.outcome == "completed"  # the slot frees: worker-1 leases "b" in that commit
+    three = done.next
     assert three is not None and three.job.stage_id == "b"
+    assert lease(kernel, "worker-3") is None and running_jobs("limited") == 1
     deliver(kernel, three, None)
     deliver(kernel, two, None)
     assert WorkflowRun.objects.get(pk=first).status == Status.COMPLETED
