@@ -17,7 +17,9 @@ from django.test import override_settings
 from django_workflows.kernel import wakeup
 from django_workflows.models import Status, WorkflowRun
 from django_workflows.transport import django_q as dq
-from tests.markers import postgres_only as requires_postgres
+from tests.markers import ON_POSTGRES
+
+requires_postgres = pytest.mark.skipif(not ON_POSTGRES, reason="needs PostgreSQL (LISTEN/NOTIFY)")
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
