@@ -34,7 +34,7 @@ FLUSH_LEASE = "outbox-flush"
 FLUSH_BATCH = 500
 #: How long the flusher waits after a wake-up, so one pass covers a burst of commits (a
 #: busy worker commits every few milliseconds; each pass costs a handful of statements).
-COALESCE_SECONDS = 0.2
+COALESCE_SECONDS = 0.1
 #: How often a flusher retries while another holds the lease and events are waiting: just
 #: over the holder's :data:`HOLD_SECONDS`, so the retry after the holder's last pass finds
 #: the lease free. Commits of this process meanwhile do not make it retry sooner.
