@@ -153,6 +153,8 @@ class Listener:
         self.connected = threading.Event()
         #: notifications received for this cluster (for tests and the bench)
         self.received = 0
+        #: successful LISTENs (the first connection and every reconnection)
+        self.connects = 0
 
     # -- the worker side ------------------------------------------------------------------
 
@@ -211,10 +213,15 @@ class Listener:
             try:
                 conn = self._connect()
                 conn.execute(f"LISTEN {CHANNEL}")
+                self.connects += 1
                 self.connected.set()
                 backoff = RECONNECT_MIN_SECONDS
-                # Notifications sent while this connection was down are gone: look once.
-                self._notified()
+                # Notifications sent while this connection was down are gone: look once (a
+                # django-q2 wake-up only if work is waiting: a cluster that starts with
+                # nothing to do keeps its django-q2 workers free for other tasks).
+                self._event.set()
+                if _work_waiting(conn):
+                    self._notified()
                 while not self._stop.is_set():
                     for note in conn.notifies(timeout=LISTEN_POLL_SECONDS):
                         if note.payload == self.cluster:
@@ -252,6 +259,22 @@ class Listener:
             self._idle_wake()
         except Exception:  # a lost wake-up only delays work: the tick re-wakes
             logger.exception("Could not turn a notification into a django-q2 wake-up")
+
+
+def _work_waiting(conn: Any) -> bool:
+    """Whether a ready job or a PENDING run is waiting (one query on the listener's own
+    connection; a job of a queue this process does not serve counts too: a spare wake-up
+    finds nothing and costs one lease)."""
+    from ..models import Status, WorkflowJob, WorkflowRun
+
+    jobs, runs = WorkflowJob._meta.db_table, WorkflowRun._meta.db_table
+    row = conn.execute(
+        f"SELECT EXISTS (SELECT 1 FROM {jobs} WHERE status = %s AND "
+        "(next_poll_at IS NULL OR next_poll_at <= CURRENT_TIMESTAMP)) "
+        f"OR EXISTS (SELECT 1 FROM {runs} WHERE status = %s)",
+        [Status.PENDING, Status.PENDING],
+    ).fetchone()
+    return bool(row and row[0])
 
 
 def connect_listener() -> Any:

@@ -112,11 +112,33 @@ def test_the_listener_sets_its_event_and_wakes_an_idle_process_once() -> None:
 
 
 @requires_postgres
+def test_a_starting_listener_wakes_its_process_only_when_work_is_waiting() -> None:
+    """A cluster that starts with nothing to do sends no django-q2 task (its workers stay free
+    for other tasks); one that starts with a PENDING run waiting sends one."""
+    from django_workflows.kernel import CreateRun
+    from django_workflows.testing import make_kernel
+    from tests.workflows import two_stage
+
+    for waiting in (False, True):
+        if waiting:
+            make_kernel(two_stage()).dispatch(CreateRun("two-stage", {"value": 1}))
+        wakes: list[int] = []
+        listener = wakeup.Listener("workflows", lambda wakes=wakes: wakes.append(1)).start()
+        try:
+            assert listener.connected.wait(10)
+            assert listener.wait(5)  # the look after connecting sets the event either way
+            threading.Event().wait(0.2)
+            assert wakes == ([1] if waiting else [])
+        finally:
+            listener.stop()
+
+
+@requires_postgres
 def test_a_listener_whose_connection_is_terminated_reconnects_and_looks_once() -> None:
     listener = wakeup.Listener("workflows", lambda: None).start()
     try:
         assert listener.connected.wait(10)
-        first = listener.received
+        first = listener.connects
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
@@ -124,10 +146,10 @@ def test_a_listener_whose_connection_is_terminated_reconnects_and_looks_once() -
                 [wakeup.LISTENER_APPLICATION_NAME],
             )
         for _ in range(100):
-            if listener.received > first:
+            if listener.connects > first and listener.connected.is_set():
                 break
             threading.Event().wait(0.1)
-        assert listener.received > first and listener.alive
+        assert listener.connects > first and listener.alive
     finally:
         listener.stop()
 
