@@ -284,7 +284,9 @@ def cluster_timeout_seconds(cluster: str) -> float | None:
 
 def check_stage_timeouts() -> list[Any]:
     """Stage timeouts (issue 12 item 2): ``W003`` for a stage whose ``timeout_seconds`` (or
-    ``DEFAULT_STAGE_TIMEOUT_SECONDS``) plus ``STAGE_TIMEOUT_GRACE_SECONDS`` is not below the
+    ``DEFAULT_STAGE_TIMEOUT_SECONDS``) plus ``STAGE_TIMEOUT_GRACE_SECONDS`` (plus, with NOTIFY
+    wake-ups, :func:`.kernel.wakeup.work_task_seconds`: a lingering task may start a stage
+    that late in its life; issue 19) is not below the
     django-q2 ``timeout`` of the cluster serving its queue (``Q_CLUSTER['timeout']``, or the
     cluster's ``ALT_CLUSTERS`` entry): django-q2 would kill the worker before the stage
     timeout, and the failure would name django-q2's timeout instead of the stage's.
@@ -294,13 +296,15 @@ def check_stage_timeouts() -> list[Any]:
     from django.core.exceptions import ImproperlyConfigured
 
     from .definition.registry import registry
-    from .kernel import routing, timeouts
+    from .kernel import routing, timeouts, wakeup
 
     try:
         grace = timeouts.grace_seconds()
         mapping = routing.queue_clusters()
+        # With NOTIFY a work task may start a stage up to WORK_TASK_SECONDS into its life.
+        lead = wakeup.work_task_seconds() if wakeup.notify_enabled() else 0.0
     except (ImproperlyConfigured, TypeError, ValueError):
-        return []  # reported by E002 / E007
+        return []  # reported by E002 / E007 / E031
     too_long: dict[str, list[str]] = {}
     limits: dict[str, float] = {}
     for workflow in registry:
@@ -310,13 +314,15 @@ def check_stage_timeouts() -> list[Any]:
             if seconds is None or cluster is None:
                 continue
             limit = cluster_timeout_seconds(cluster)
-            if limit is not None and seconds + grace >= limit:
+            if limit is not None and seconds + grace + lead >= limit:
                 too_long.setdefault(cluster, []).append(f"{workflow.id}/{stage.id} ({seconds:g} s)")
                 limits[cluster] = limit
     return [
         Warning(
             f"Stages {', '.join(stages)} have a timeout_seconds that, with "
-            f"STAGE_TIMEOUT_GRACE_SECONDS={grace:g}, is not below django-q2 cluster "
+            f"STAGE_TIMEOUT_GRACE_SECONDS={grace:g}"
+            + (f" and a work task's {lead:g} s of leasing (WORK_TASK_SECONDS)" if lead else "")
+            + ", is not below django-q2 cluster "
             f"{cluster!r}'s timeout ({limits[cluster]:g} s): django-q2 kills the worker first "
             "and the stage fails with django-q2's timeout instead of its own",
             hint="Raise Q_CLUSTER['timeout'] (and 'retry' above it) for that cluster above the "

@@ -32,6 +32,7 @@ from django_workflows.models import (
     WorkflowStage,
 )
 from django_workflows.testing import FakeClock
+from tests.markers import postgres_only
 from tests.workflows import Num, add
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -493,3 +494,31 @@ def test_workflows_list_admin_and_api_show_the_timeouts(admin_client: Any) -> No
         assert "timeout 600 s, queue wait 60 s" in page.content.decode()
     finally:
         registry.unregister("t-shown")
+
+
+@postgres_only
+def test_with_notify_the_check_counts_the_time_a_work_task_may_lease_before_a_stage(
+    settings: Any,
+) -> None:
+    """Issue 19: a lingering work task may start a stage ``WORK_TASK_SECONDS`` into its life,
+    so with NOTIFY wake-ups W003 also counts that lead (60 + 5 + 50 >= 104); without them the
+    same stage fits (60 + 5 < 104)."""
+    from django_workflows.checks import check_stage_timeouts
+    from django_workflows.definition.registry import registry
+
+    registry.register(
+        define_workflow(id="t-lead")
+        .pipe(define_stage(id="mid", execute=lambda c: None, timeout_seconds=60))
+        .build()
+    )
+    try:
+        settings.Q_CLUSTER = {**settings.Q_CLUSTER, "timeout": 104, "retry": 200}
+        base = {**settings.DJANGO_WORKFLOWS, "STAGE_TIMEOUT_GRACE_SECONDS": 5}
+        settings.DJANGO_WORKFLOWS = {**base, "WAKE_WITH_NOTIFY": False}
+        assert not [m for m in check_stage_timeouts() if "t-lead/mid" in m.msg]
+        settings.DJANGO_WORKFLOWS = {**base, "WAKE_WITH_NOTIFY": "auto", "WORK_TASK_SECONDS": 50}
+        found = [m for m in check_stage_timeouts() if "t-lead/mid" in m.msg]
+        assert [m.id for m in found] == ["django_workflows.W003"]
+        assert "WORK_TASK_SECONDS" in found[0].msg
+    finally:
+        registry.unregister("t-lead")
