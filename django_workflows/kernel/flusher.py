@@ -162,7 +162,7 @@ def hold_and_flush(
                 published = int(kernel.dispatch(FlushOutbox(max_events=FLUSH_BATCH)).published)
                 if published >= FLUSH_BATCH:
                     continue
-                if published == 0 and not wake.wait(HOLD_SECONDS):
+                if published == 0 and (_no_hold.is_set() or not wake.wait(HOLD_SECONDS)):
                     return True
                 wake.clear()
                 if stop.wait(COALESCE_SECONDS):  # one pass covers a burst of commits
@@ -174,6 +174,17 @@ def hold_and_flush(
 
 
 _holding = threading.Event()
+_no_hold = threading.Event()
+
+
+def stop_holding() -> None:
+    """The process is stopping: this process's flusher gives the ``outbox-flush`` lease up
+    after its next pass that finds nothing, instead of holding it (a process that exits holding
+    it would block the other flushers for the lease's TTL). Later commits still flush, one
+    pass per lease."""
+    _no_hold.set()
+    if _flusher is not None:
+        _flusher._wake.set()
 
 
 def holding() -> bool:
@@ -201,6 +212,7 @@ def enable(kernel: Kernel) -> None:
     global _flusher
     if _flusher is None or _flusher.kernel is not kernel:
         disable()
+        _no_hold.clear()
         _flusher = Flusher(kernel)
 
 

@@ -179,7 +179,8 @@ def lease_is_free(kernel: Kernel, name: str) -> bool:
 def wake_ready_jobs(kernel: Kernel, *, older_than_seconds: float, limit: int = 8) -> int:
     """Wake workers for ready PENDING jobs not updated for ``older_than_seconds``: up to
     ``limit`` wake-ups in all, each sent to its job's queue (issue 8 item 5). Returns the
-    number of wake-ups asked for.
+    number of wake-ups asked for. Jobs that waited (``older_than_seconds`` > 0) are woken
+    through the transport's broker when it has one (``wake_workers_by_broker``).
     """
     now = kernel.clock.now()
     queues = list(
@@ -192,8 +193,13 @@ def wake_ready_jobs(kernel: Kernel, *, older_than_seconds: float, limit: int = 8
     counts: dict[str, int] = {}
     for queue in queues:
         counts[queue] = counts.get(queue, 0) + 1
+    # A job ready this long was not heard: wake through the broker where the transport can
+    # (with NOTIFY wake-ups, a listener may be deaf; issue 19).
+    wake = kernel.transport.wake_workers
+    if older_than_seconds > 0:
+        wake = getattr(kernel.transport, "wake_workers_by_broker", wake)
     for queue, count in counts.items():
-        kernel.transport.wake_workers(count, queue=queue)
+        wake(count, queue=queue)
     return len(queues)
 
 

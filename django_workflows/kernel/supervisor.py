@@ -205,8 +205,8 @@ class TickerDuty:
                 from .hosting import run_maintenance_tick
 
                 live = _has_live_work()  # read before the tick: its flush covers the last run
+                self._tick_kernel = kernel  # before: a tick that raises may hold the lease
                 tick = run_maintenance_tick(kernel, self.owner, keep_lease=True)
-                self._tick_kernel = kernel
                 self.ticks += 1
                 self._next_tick = now + float(workflow_settings.TICK_INTERVAL_SECONDS)
                 # A tick or flush skipped because another process holds its lease (maybe a
@@ -333,6 +333,9 @@ class StopDuty:
                 return STOP_POLL_SECONDS if self.signal.cluster_event is not None else 3600.0
             self.stopping_since = now
             logger.info("Worker %s: the cluster is stopping; no new job is leased", os.getpid())
+            from .flusher import stop_holding
+
+            stop_holding()
             for duty in self._others():
                 if duty is not self:
                     duty.stop()

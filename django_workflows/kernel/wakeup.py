@@ -109,17 +109,20 @@ def wake_claimer_at_commit(transport: Any) -> None:
 def work_task_seconds() -> float:
     """How long one django-q2 ``work`` task keeps leasing before it hands on (seconds):
     ``WORK_TASK_SECONDS``, at most half of django-q2's ``timeout`` (so a stage started near the
-    end still finishes well inside the task's timeout).
+    end still finishes well inside the task's timeout) and half of its ``retry`` (after which
+    the ORM broker would hand the still-running task out again).
     """
     budget = float(workflow_settings.WORK_TASK_SECONDS)
     try:
         from django_q.conf import Conf
 
         timeout = getattr(Conf, "TIMEOUT", None)
+        retry = getattr(Conf, "RETRY", None)
     except Exception:  # pragma: no cover - django-q2 not importable
-        timeout = None
-    if timeout:
-        budget = min(budget, float(timeout) / 2)
+        timeout = retry = None
+    for limit in (timeout, retry):  # retry: the ORM broker hands a task out again after it
+        if limit:
+            budget = min(budget, float(limit) / 2)
     return max(budget, 0.0)
 
 
@@ -168,6 +171,11 @@ class Listener:
         finally:
             with self._lock:
                 self._busy -= 1
+                idle = self._busy == 0
+            if idle and self._event.is_set():
+                # Heard while the task was leaving (after its last look): nobody will read
+                # the event now, so hand it on as an idle process would.
+                self._idle_wake_throttled()
 
     def clear(self) -> None:
         """Forget earlier notifications; call before looking for work, so one that arrives
@@ -220,7 +228,7 @@ class Listener:
                 # django-q2 wake-up only if work is waiting: a cluster that starts with
                 # nothing to do keeps its django-q2 workers free for other tasks).
                 self._event.set()
-                if _work_waiting(conn):
+                if _work_waiting_or_unknown(conn):
                     self._notified()
                 while not self._stop.is_set():
                     for note in conn.notifies(timeout=LISTEN_POLL_SECONDS):
@@ -248,6 +256,9 @@ class Listener:
     def _notified(self) -> None:
         self.received += 1
         self._event.set()
+        self._idle_wake_throttled()
+
+    def _idle_wake_throttled(self) -> None:
         with self._lock:
             if self._busy:
                 return
@@ -259,6 +270,16 @@ class Listener:
             self._idle_wake()
         except Exception:  # a lost wake-up only delays work: the tick re-wakes
             logger.exception("Could not turn a notification into a django-q2 wake-up")
+
+
+def _work_waiting_or_unknown(conn: Any) -> bool:
+    """:func:`_work_waiting`, ``True`` when the look itself fails (logged): a spare wake-up
+    costs one lease, a missed one strands work."""
+    try:
+        return _work_waiting(conn)
+    except Exception:
+        logger.exception("Wake-up listener could not look for waiting work; waking anyway")
+        return True
 
 
 def _work_waiting(conn: Any) -> bool:
@@ -287,6 +308,13 @@ def connect_listener() -> Any:
         params.pop(key, None)
     params.setdefault("application_name", LISTENER_APPLICATION_NAME)
     params.setdefault("connect_timeout", 10)
+    # The listener only reads: without keepalives a half-open socket (a failover, a moved
+    # address) would look like a quiet channel for hours.
+    params.setdefault("keepalives", 1)
+    params.setdefault("keepalives_idle", 10)
+    params.setdefault("keepalives_interval", 5)
+    params.setdefault("keepalives_count", 3)
+    params.setdefault("tcp_user_timeout", 30000)
     return psycopg.connect(**params, autocommit=True)
 
 

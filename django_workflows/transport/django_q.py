@@ -373,6 +373,18 @@ class DjangoQTransport:
         if wakeup.notify_enabled():
             self._notify(cluster)
             return
+        self._wake_by_broker(jobs, cluster)
+
+    def wake_workers_by_broker(self, jobs: int, queue: str = routing.DEFAULT_QUEUE) -> None:
+        """Like :meth:`wake_workers`, always as django-q2 tasks: the tick's wake-up for jobs
+        that stayed ready too long (:func:`..kernel.hosting.wake_ready_jobs`), which with
+        NOTIFY means no listener heard them (a half-open listener socket, a pooler that drops
+        notifications)."""
+        cluster = routing.cluster_of(queue)
+        if cluster is not None:
+            self._wake_by_broker(jobs, cluster)
+
+    def _wake_by_broker(self, jobs: int, cluster: str) -> None:
         count = min(jobs, self.max_pending_wakeups - self._queued(cluster))
         for _ in range(max(0, count)):
             self._send(WORK_TASK, cluster)

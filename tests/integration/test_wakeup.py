@@ -212,3 +212,45 @@ def test_bad_wake_settings_are_reported_by_the_checks() -> None:
     if connection.vendor != "postgresql":
         with _settings(WAKE_WITH_NOTIFY=True):
             assert "django_workflows.E031" in {m.id for m in run_checks()}
+
+
+def test_a_notification_heard_while_a_work_task_leaves_is_handed_on() -> None:
+    """Issue 19 review: a notification that sets the event after the task's last look, while it
+    is still counted busy, would be read by nobody; leaving ``busy()`` hands it on."""
+    wakes: list[int] = []
+    listener = wakeup.Listener("workflows", lambda: wakes.append(1))  # no thread: no database
+    with listener.busy():
+        listener._notified()  # heard by a busy process: only the event is set
+        assert wakes == []
+    assert wakes == [1]
+    with listener.busy():
+        pass
+    assert wakes == [1]  # nothing heard: nothing handed on
+
+
+def test_jobs_ready_too_long_are_woken_through_the_broker(clock: Any) -> None:
+    """With NOTIFY a job still ready after ``WAKE_AFTER_SECONDS`` was not heard (a deaf
+    listener): the tick's wake-up for it goes through the broker, a fresh one by NOTIFY."""
+    from django_workflows.kernel import ClaimPendingRuns, CreateRun
+    from django_workflows.kernel.hosting import wake_ready_jobs
+    from django_workflows.testing import RecordingTransport, make_kernel
+    from tests.workflows import two_stage
+
+    class Transport(RecordingTransport):
+        def __init__(self) -> None:
+            super().__init__()
+            self.by_broker: list[str] = []
+
+        def wake_workers_by_broker(self, jobs: int, queue: str = "default") -> None:
+            self.by_broker.append(queue)
+
+    transport = Transport()
+    kernel = make_kernel(two_stage(), clock=clock, transport=transport)
+    kernel.dispatch(CreateRun("two-stage", {"value": 1}))
+    kernel.dispatch(ClaimPendingRuns("claimer"))
+    transport.worker_wakeups = 0
+    assert wake_ready_jobs(kernel, older_than_seconds=0.0) == 1
+    assert (transport.worker_wakeups, transport.by_broker) == (1, [])
+    clock.advance(10)
+    assert wake_ready_jobs(kernel, older_than_seconds=2.0) == 1
+    assert (transport.worker_wakeups, transport.by_broker) == (1, ["default"])

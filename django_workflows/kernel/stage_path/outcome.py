@@ -154,8 +154,8 @@ def _stage_transaction(
         looked = following is None and reserve_for is not None
         found: Any = None
         if looked:
-            found = lease_within(kernel, reserve_for, queues)  # type: ignore[arg-type]
-            following = None if found is _AGAIN else found
+            found = _lease_next(kernel, reserve_for, queues)  # type: ignore[arg-type]
+            following = None if found is _AGAIN or found is _FAILED else found
         fault_point("outcome.before_commit")
     return Outcome(
         stage_result.outcome,
@@ -165,6 +165,27 @@ def _stage_transaction(
         result=stage_result,
         no_work=looked and found is None,
     )
+
+
+#: :func:`_lease_next` failed (logged); the worker leases again in a transaction of its own.
+_FAILED: Any = object()
+
+
+def _lease_next(kernel: Kernel, worker_id: str, queues: frozenset[str] | None) -> Any:
+    """The worker's next delivery, leased in the outcome's transaction
+    (:func:`.lease.lease_within`), inside a savepoint: whatever goes wrong while leasing
+    another job (a missing output blob of its run, a blob store's error, a failed statement)
+    rolls back the lease only, never the outcome it rides with; :data:`_FAILED` then, and the
+    worker's next :func:`.lease.lease` meets the error in its own transaction, as before.
+    """
+    try:
+        with transaction.atomic():
+            return lease_within(kernel, worker_id, queues)
+    except Exception:
+        if transaction.get_connection().needs_rollback:
+            raise  # the savepoint could not be rolled back (a dead connection): not ours to hide
+        logger.exception("Leasing the next delivery with an outcome failed; leasing on its own")
+        return _FAILED
 
 
 _GHOST_SUFFIX = "the result was discarded (expected RUNNING)"
