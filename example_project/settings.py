@@ -127,6 +127,10 @@ def _is_pg() -> bool:
     return DATABASES["default"]["ENGINE"].endswith("postgresql")
 
 
+#: WORKFLOWS_WAKE_WITH_NOTIFY=1: wake-ups as PostgreSQL NOTIFY (opt-in; the bench sets it).
+_NOTIFY = os.environ.get("WORKFLOWS_WAKE_WITH_NOTIFY", "0") == "1"
+
+
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 USE_TZ = True
@@ -169,11 +173,11 @@ Q_CLUSTER = {
     "max_attempts": 1,
     "save_limit": -1,
     "ack_failures": True,
-    # How often the cluster's pusher polls the ORM broker (seconds). On PostgreSQL wake-ups
-    # travel as NOTIFY to lingering workers (DJANGO_WORKFLOWS["WAKE_WITH_NOTIFY"]), so this
-    # bounds only a cold start's latency and is the idle cluster's main cost (one query per
-    # poll); on SQLite every wake-up waits for it: 0.2 there.
-    "poll": float(os.environ.get("Q_POLL", "0.2" if not _is_pg() else "1.0")),
+    # How often the cluster's pusher polls the ORM broker (seconds): every wake-up waits for
+    # it (0.2). With NOTIFY wake-ups on PostgreSQL (WORKFLOWS_WAKE_WITH_NOTIFY=1) they reach
+    # lingering workers directly, so it bounds only a cold start and is the idle cluster's
+    # main cost (one query per poll): 1.0 then.
+    "poll": float(os.environ.get("Q_POLL", "1.0" if _NOTIFY and _is_pg() else "0.2")),
     "catch_up": False,
     "log_level": os.environ.get("Q_LOG_LEVEL", "WARNING"),
     # One named cluster per routed queue's cluster: start it with
@@ -183,6 +187,7 @@ Q_CLUSTER = {
 
 DJANGO_WORKFLOWS = {
     "TICK_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_TICK_INTERVAL", "0.5")),
+    "WAKE_WITH_NOTIFY": "auto" if _NOTIFY else False,
     "STALE_LEASE_SECONDS": int(os.environ.get("WORKFLOWS_STALE_LEASE_SECONDS", "300")),
     "HEARTBEAT_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_HEARTBEAT_SECONDS", "30")),
     "SUPERVISOR_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_SUPERVISOR_INTERVAL", "2")),
