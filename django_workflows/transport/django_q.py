@@ -168,9 +168,10 @@ def ensure_listener() -> wakeup.Listener | None:
 def _idle_wake(cluster: str) -> None:
     if stop_signal().is_set():
         return
-    transport = DjangoQTransport()
-    if transport._queued(cluster) < transport.max_pending_wakeups:
-        transport._send(WORK_TASK, cluster)
+    transport = get_kernel().transport
+    if not isinstance(transport, DjangoQTransport):
+        transport = DjangoQTransport()
+    transport._wake_by_broker(1, cluster)
 
 
 def own_cluster() -> str:
