@@ -92,6 +92,28 @@ print(json.dumps({{"seen": seen, "seconds": round(time.monotonic() - start, 1)}}
 """
 
 
+#: Waits until worker ``pid``'s outbox flusher has given the ``outbox-flush`` lease up and no
+#: event is left to publish. The flusher thread writes right after the commit that leased
+#: ``slow``, so a SIGSTOP at once could freeze it inside a write transaction; on SQLite that
+#: frozen holder of the write lock would block every other process for the whole pause (the
+#: CI of stop 22 saw it: "database is locked" in the ticker, the run never moved on).
+FLUSHER_QUIET = """
+import json, time
+from django_workflows.models import MaintenanceLease, OutboxEvent
+start = time.monotonic()
+quiet = False
+while time.monotonic() < start + {timeout} and not quiet:
+    held = MaintenanceLease.objects.filter(
+        name="outbox-flush", owner__startswith="flusher-{pid}-"
+    ).exists()
+    waiting = OutboxEvent.objects.filter(published_at__isnull=True, dlq_at__isnull=True).exists()
+    quiet = not held and not waiting
+    if not quiet:
+        time.sleep(0.05)
+print(json.dumps({{"quiet": quiet, "seconds": round(time.monotonic() - start, 2)}}))
+"""
+
+
 def _pause_slow_delivery(
     env: dict[str, str],
     clusters: Callable[..., Cluster],
@@ -117,6 +139,8 @@ def _pause_slow_delivery(
     except TimeoutError:
         pytest.fail(f"slow never started\n{context()}")
     paused_pid = int(blocked.read_text())
+    quiet = shell_json(env, FLUSHER_QUIET.format(pid=paused_pid, timeout=20), timeout=60)
+    assert quiet["quiet"], f"the flusher of {paused_pid} kept its lease: {quiet}\n{context()}"
     os.kill(paused_pid, signal.SIGSTOP)
     paused_at = time.monotonic()
     try:
