@@ -166,12 +166,74 @@ def ensure_listener() -> wakeup.Listener | None:
 
 
 def _idle_wake(cluster: str) -> None:
+    """A notification reached this process while no ``work`` task runs here: start one on this
+    host - put straight into this cluster's own task queue (:func:`_wake_locally`), else (not
+    a django-q2 worker process, queue full) sent through the broker.
+    """
     if stop_signal().is_set():
+        return
+    if cluster == own_cluster() and _wake_locally():
         return
     transport = get_kernel().transport
     if not isinstance(transport, DjangoQTransport):
         transport = DjangoQTransport()
     transport._wake_by_broker(1, cluster)
+
+
+def local_task_queue() -> Any | None:
+    """The task queue of this worker process's cluster - the ``multiprocessing`` queue its
+    pusher fills with tasks taken from the broker and its worker processes read - or ``None``
+    outside a django-q2 worker process.
+
+    django-q2 forks each worker process with ``django_q.worker.worker(task_queue,
+    result_queue, timer, timeout)`` as its target, and the forked child's ``Process`` object
+    still holds those arguments.
+    """
+    import multiprocessing
+
+    from django_q.worker import worker
+
+    process = multiprocessing.current_process()
+    args = getattr(process, "_args", ())
+    if getattr(process, "_target", None) is not worker or not args:
+        return None
+    return args[0]
+
+
+def _wake_locally() -> bool:
+    """Put one ``work`` task into this cluster's own task queue (:func:`local_task_queue`);
+    ``False`` if there is none or it is full (``queue_limit``: work enough is queued).
+
+    The wake-up never leaves the host: with several hosts on one broker, a wake-up sent
+    through the broker for an idle host could be taken by another host's pusher while this
+    host's workers stay idle (issue 19: one host of three ran 1-6 % of the stages). It costs
+    no database statement and starts at once, not at the pusher's next broker poll. The task
+    runs in django-q2's worker loop like any other: its timeout, the monitor, the guard; it
+    has no broker row to acknowledge.
+    """
+    import queue as queue_module
+    import uuid
+
+    from django.utils import timezone
+    from django_q.conf import Conf
+
+    task_queue = local_task_queue()
+    if task_queue is None:
+        return False
+    task = {
+        "id": uuid.uuid4().hex,
+        "name": WORK_TASK.rsplit(".", 1)[-1],
+        "func": WORK_TASK,
+        "args": (),
+        "kwargs": {},
+        "started": timezone.now(),
+        "cluster": Conf.CLUSTER_NAME,
+    }
+    try:
+        task_queue.put(task, block=False)
+    except queue_module.Full:
+        return False
+    return True
 
 
 def own_cluster() -> str:

@@ -254,3 +254,45 @@ def test_jobs_ready_too_long_are_woken_through_the_broker(clock: Any) -> None:
     clock.advance(10)
     assert wake_ready_jobs(kernel, older_than_seconds=2.0) == 1
     assert (transport.worker_wakeups, transport.by_broker) == (1, ["default"])
+
+
+class _FakeWorkerProcess:
+    """What ``multiprocessing.current_process()`` is inside a django-q2 worker process."""
+
+    def __init__(self, task_queue: Any) -> None:
+        from django_q.worker import worker
+
+        self._target = worker
+        self._args = (task_queue, None, None, 60)
+
+
+def test_an_idle_process_wakes_itself_through_its_own_task_queue(monkeypatch: Any) -> None:
+    """The listener's idle wake-up puts one ``work`` task package - what django-q2's worker
+    loop reads - into this cluster's task queue, and sends nothing through the broker."""
+    import multiprocessing
+    import queue
+
+    local: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=1)
+    monkeypatch.setattr(multiprocessing, "current_process", lambda: _FakeWorkerProcess(local))
+    sent: list[str] = []
+    monkeypatch.setattr(dq.DjangoQTransport, "_send", lambda self, func, cluster: sent.append(func))
+
+    assert dq.local_task_queue() is local
+    dq._idle_wake(dq.own_cluster())
+    task = local.get_nowait()
+    assert task["func"] == dq.WORK_TASK and task["args"] == () and task["kwargs"] == {}
+    assert task["cluster"] == dq.own_cluster() and task["id"] and "ack_id" not in task
+    assert sent == []
+
+    # A full queue (queue_limit): work enough is queued; the wake-up goes through the broker.
+    local.put({"func": "other"})
+    dq._idle_wake(dq.own_cluster())
+    assert sent == [dq.WORK_TASK]
+    # Another cluster's wake-up (a queue this process does not serve) is the broker's too.
+    local.get_nowait()
+    dq._idle_wake("gpu")
+    assert sent == [dq.WORK_TASK, dq.WORK_TASK] and local.empty()
+
+
+def test_outside_a_django_q_worker_there_is_no_local_task_queue() -> None:
+    assert dq.local_task_queue() is None
