@@ -69,13 +69,12 @@ DEFAULTS: dict[str, Any] = {
     # Ready jobs one wake-up task drains before it returns (without NOTIFY), or per lease loop
     # of a lingering task (with it; kernel/wakeup.py).
     "JOBS_PER_WAKEUP": 10,
-    # How wake-ups reach idle workers: False (default: django-q2 tasks), "auto" (LISTEN/NOTIFY
-    # on PostgreSQL, django-q2 tasks elsewhere) or True (PostgreSQL only; check E031). With
-    # NOTIFY a wake-up rides the commit of the transaction that made the work (no broker row)
-    # and each worker process keeps one more connection, its listener (issue 19). Opt-in:
-    # with several hosts on one broker the lingering workers of some hosts starve another
-    # host (tests/hosts scenario a: one host ran 1-6 % of the stages).
-    "WAKE_WITH_NOTIFY": False,
+    # How wake-ups reach idle workers: "auto" (default: LISTEN/NOTIFY on PostgreSQL, django-q2
+    # tasks elsewhere), True (PostgreSQL only; check E031) or False (django-q2 tasks through
+    # the broker). With NOTIFY a wake-up rides the commit of the transaction that made the
+    # work (no broker row), each worker process keeps one more connection, its listener, and
+    # an idle process wakes itself through its own cluster's task queue (issue 19).
+    "WAKE_WITH_NOTIFY": "auto",
     # With NOTIFY: how long (seconds) a django-q2 work task that found nothing to do waits for
     # a notification before it returns and frees its django-q2 worker. 0: return at once.
     # Lower it if the same django-q2 cluster also runs other tasks of yours.

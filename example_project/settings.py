@@ -127,8 +127,9 @@ def _is_pg() -> bool:
     return DATABASES["default"]["ENGINE"].endswith("postgresql")
 
 
-#: WORKFLOWS_WAKE_WITH_NOTIFY=1: wake-ups as PostgreSQL NOTIFY (opt-in; the bench sets it).
-_NOTIFY = os.environ.get("WORKFLOWS_WAKE_WITH_NOTIFY", "0") == "1"
+#: Wake-ups as PostgreSQL NOTIFY on PostgreSQL (the engine's default, "auto");
+#: WORKFLOWS_WAKE_WITH_NOTIFY=0 sends every wake-up as a django-q2 task instead.
+_NOTIFY = os.environ.get("WORKFLOWS_WAKE_WITH_NOTIFY", "1") == "1"
 
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -174,7 +175,7 @@ Q_CLUSTER = {
     "save_limit": -1,
     "ack_failures": True,
     # How often the cluster's pusher polls the ORM broker (seconds): every wake-up waits for
-    # it (0.2). With NOTIFY wake-ups on PostgreSQL (WORKFLOWS_WAKE_WITH_NOTIFY=1) they reach
+    # it (0.2). With NOTIFY wake-ups on PostgreSQL (the default) they reach
     # lingering workers directly, so it bounds only a cold start and is the idle cluster's
     # main cost (one query per poll): 1.0 then.
     "poll": float(os.environ.get("Q_POLL", "1.0" if _NOTIFY and _is_pg() else "0.2")),
