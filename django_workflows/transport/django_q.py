@@ -141,9 +141,17 @@ def work(claim: bool = False) -> dict[str, Any]:
                 total.failed += done.failed
                 more = done.processed >= limit
                 if stop.is_set() or time.monotonic() >= deadline:
-                    hand_on = more or stop.is_set()
+                    # A deaf task heard nothing of what was notified meanwhile: hand on.
+                    hand_on = more or stop.is_set() or listener.deaf
                     break
                 if more:
+                    # Busy: a notification would be thrown away at the next clear(), and
+                    # costs the server one transaction of the listener (kernel/wakeup.py).
+                    listener.deafen()
+                    continue
+                if listener.deaf:
+                    # That look was deaf: listen, then look once more before waiting.
+                    listener.hear()
                     continue
                 wait = min(linger, deadline - time.monotonic())
                 if linger <= 0 or not listener.wait(wait, stop):
