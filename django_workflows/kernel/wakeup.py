@@ -169,6 +169,8 @@ class Listener:
         self.connected = threading.Event()
         #: whether the worker side wants the connection to LISTEN (see :meth:`deafen`)
         self._want_listen = True
+        #: orders a wish against the thread clearing :attr:`listening` before an UNLISTEN
+        self._wish_lock = threading.Lock()
         #: set while a LISTEN is in effect on the connection
         self.listening = threading.Event()
         #: wakes the thread from its wait on the socket (a request to (UN)LISTEN, a stop)
@@ -195,11 +197,10 @@ class Listener:
             with self._lock:
                 self._busy -= 1
                 idle = self._busy == 0
-            if idle and not self._want_listen:
+            if idle and self.deaf:
                 # A process without a work task must hear (its listener turns a notification
                 # into a django-q2 wake-up); a task that left deaf handed its work on.
-                self._want_listen = True
-                self._poke()
+                self.hear(timeout=0)
             if idle and self._event.is_set():
                 # Heard while the task was leaving (after its last look): nobody will read
                 # the event now, so hand it on as an idle process would.
@@ -221,9 +222,11 @@ class Listener:
         cost the server one transaction of this connection and be thrown away at the task's
         next :meth:`clear`. The task must :meth:`hear` before it waits (and look once more).
         """
-        if self._want_listen:
+        with self._wish_lock:
+            if not self._want_listen:
+                return
             self._want_listen = False
-            self._poke()
+        self._poke()
 
     def hear(self, timeout: float = HEAR_TIMEOUT_SECONDS) -> bool:
         """Listen again after :meth:`deafen` and return once the ``LISTEN`` is in effect
@@ -231,8 +234,10 @@ class Listener:
         is back the thread looks for waiting work itself). Look for work after this: what
         was notified while deaf was not heard.
         """
-        if not self._want_listen:
+        with self._wish_lock:
+            poke = not self._want_listen
             self._want_listen = True
+        if poke:
             self._poke()
         return self.listening.wait(timeout)
 
@@ -321,12 +326,15 @@ class Listener:
     def _follow_wish(self, conn: Any) -> None:
         """``LISTEN`` or ``UNLISTEN`` so the connection matches :meth:`deafen` / :meth:`hear`
         (each one autocommit statement)."""
-        want = self._want_listen
+        with self._wish_lock:  # a hear() after this sees listening cleared and waits
+            want = self._want_listen
+            unlisten = not want and self.listening.is_set()
+            if unlisten:
+                self.listening.clear()
         if want and not self.listening.is_set():
             conn.execute(f"LISTEN {CHANNEL}")
             self.listening.set()
-        elif not want and self.listening.is_set():
-            self.listening.clear()
+        elif unlisten:
             conn.execute(f"UNLISTEN {CHANNEL}")
             self.deafened += 1
 
