@@ -346,14 +346,18 @@ class Listener:
         pending = list(conn.notifies(timeout=0))
         if pending:
             return pending
-        readable, _, _ = select.select([conn.fileno(), self._pipe_r], [], [], LISTEN_POLL_SECONDS)
+        sock = conn.fileno()
+        poller = select.poll()  # not select(): a worker process may hold fds past FD_SETSIZE
+        poller.register(sock, select.POLLIN)
+        poller.register(self._pipe_r, select.POLLIN)
+        readable = {fd for fd, _ in poller.poll(LISTEN_POLL_SECONDS * 1000)}
         if self._pipe_r in readable:
             try:
                 while os.read(self._pipe_r, 64):
                     pass
             except (BlockingIOError, OSError):
                 pass
-        if conn.fileno() in readable:
+        if sock in readable:  # data, or an error / hang-up (then reading raises)
             # Reads what arrived (an error here - the server went away - reconnects).
             return list(conn.notifies(timeout=0))
         return []
