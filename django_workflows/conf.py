@@ -87,8 +87,10 @@ DEFAULTS: dict[str, Any] = {
     "TICK_INTERVAL_SECONDS": 1.0,
     # How often each worker process's supervisor thread looks whether runs are live while
     # nobody holds the ticker lease (one query); a dead ticker is replaced within
-    # TICKER_LEASE_SECONDS + this. Idle cost: one query per worker process per interval.
-    "SUPERVISOR_INTERVAL_SECONDS": 2.0,
+    # TICKER_LEASE_SECONDS + this. Idle cost: one query per worker process per interval (3 s:
+    # an idle 2-worker cluster polls the broker once a second and needs <= 2 statements/s in
+    # all, issue 19).
+    "SUPERVISOR_INTERVAL_SECONDS": 3.0,
     # Whether worker processes run the maintenance ticker in their supervisor thread. False:
     # they never tick (run ``workflows_tick --loop`` or ``workflows_worker`` elsewhere); the
     # graceful stop works either way.

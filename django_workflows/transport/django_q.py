@@ -96,7 +96,10 @@ def work(claim: bool = False) -> dict[str, Any]:
     With wake-ups on ``NOTIFY`` (:mod:`..kernel.wakeup`, PostgreSQL) the task lingers: having
     found no ready job it waits up to ``WORKER_LINGER_SECONDS`` for a notification and leases
     again, and it keeps leasing for up to :func:`..kernel.wakeup.work_task_seconds`, then
-    hands on with one wake-up if work may be left. Without it the task makes up to
+    hands on with one wake-up if work may be left. While its lease loops come back full it keeps
+    its listener deaf (``UNLISTEN``: every listening connection costs the server a transaction
+    per notification), and it listens again and looks once more before it lingers; a task that
+    leaves deaf hands on. Without it the task makes up to
     ``JOBS_PER_WAKEUP`` deliveries and hands leftover work to the next wake-up.
 
     Once the cluster is stopping (:func:`stop_signal`) no further job is leased and no next
@@ -141,9 +144,17 @@ def work(claim: bool = False) -> dict[str, Any]:
                 total.failed += done.failed
                 more = done.processed >= limit
                 if stop.is_set() or time.monotonic() >= deadline:
-                    hand_on = more or stop.is_set()
+                    # A deaf task heard nothing of what was notified meanwhile: hand on.
+                    hand_on = more or stop.is_set() or listener.deaf
                     break
                 if more:
+                    # Busy: a notification would be thrown away at the next clear(), and
+                    # costs the server one transaction of the listener (kernel/wakeup.py).
+                    listener.deafen()
+                    continue
+                if listener.deaf:
+                    # That look was deaf: listen, then look once more before waiting.
+                    listener.hear()
                     continue
                 wait = min(linger, deadline - time.monotonic())
                 if linger <= 0 or not listener.wait(wait, stop):

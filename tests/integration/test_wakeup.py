@@ -296,3 +296,92 @@ def test_an_idle_process_wakes_itself_through_its_own_task_queue(monkeypatch: An
 
 def test_outside_a_django_q_worker_there_is_no_local_task_queue() -> None:
     assert dq.local_task_queue() is None
+
+
+@requires_postgres
+def test_a_deaf_listener_hears_nothing_and_listens_again_before_the_look() -> None:
+    """Issue 19: PostgreSQL charges every listening backend one transaction per NOTIFY commit;
+    a busy task's listener UNLISTENs (:meth:`deafen`) and :meth:`hear` returns once the
+    LISTEN is in effect, so a look after it misses nothing."""
+    listener = wakeup.Listener("workflows", lambda: None).start()
+    try:
+        assert listener.connected.wait(10) and listener.listening.wait(5)
+        assert listener.wait(5)  # the look after connecting
+        listener.deafen()
+        for _ in range(100):
+            if not listener.listening.is_set():
+                break
+            threading.Event().wait(0.02)
+        assert listener.deaf and not listener.listening.is_set() and listener.deafened == 1
+        listener.clear()
+        wakeup.notify("workflows")
+        assert not listener.wait(0.5)  # not listening: not signalled, nothing heard
+        assert listener.hear(5) and not listener.deaf
+        listener.clear()
+        wakeup.notify("workflows")
+        assert listener.wait(5)
+        with listener.busy():
+            listener.deafen()
+        assert listener.hear(5)  # a task leaving deaf listens again: idle processes must hear
+    finally:
+        listener.stop()
+
+
+@requires_postgres
+def test_a_busy_task_goes_deaf_and_listens_again_before_it_lingers(monkeypatch: Any) -> None:
+    """With more ready jobs than one lease loop takes (``JOBS_PER_WAKEUP``) the task deafens
+    its listener while it keeps leasing, listens again and looks once more before lingering,
+    and still hears the run created while it lingers."""
+    from datetime import UTC, datetime
+
+    from django_workflows import define_workflow
+    from django_workflows.kernel import CreateRun
+    from django_workflows.testing import make_kernel
+    from django_workflows.testing.clock import FakeClock
+    from tests.workflows import add
+
+    class RealClock(FakeClock):
+        def now(self) -> datetime:
+            return datetime.now(UTC)
+
+    workflow = define_workflow(id="deaf").pipe(add(1, stage_id="a")).build()
+    kernel = make_kernel(
+        workflow, clock=RealClock(datetime.now(UTC)), transport=dq.DjangoQTransport()
+    )
+    monkeypatch.setattr(dq, "get_kernel", lambda: kernel)
+    monkeypatch.setattr(dq, "ensure_supervisor", lambda *a, **k: None)
+    monkeypatch.setattr(dq, "_stop", dq.StopSignal())
+    run_ids = [kernel.dispatch(CreateRun("deaf", {"value": i})).workflow_run_id for i in range(3)]
+    result: dict[str, Any] = {}
+
+    def task() -> None:
+        try:
+            result.update(dq.work())
+        finally:
+            connection.close()
+
+    with _settings(WORKER_LINGER_SECONDS=30.0, JOBS_PER_WAKEUP=1):
+        listener = dq.ensure_listener()
+        assert listener is not None and listener.connected.wait(10)
+        thread = threading.Thread(target=task)
+        thread.start()
+        try:
+            for _ in range(200):
+                done = WorkflowRun.objects.filter(pk__in=run_ids, status=Status.COMPLETED)
+                if done.count() == 3 and listener.listening.is_set() and not listener.deaf:
+                    break
+                threading.Event().wait(0.05)
+            assert listener.deafened >= 1 and not listener.deaf
+            threading.Event().wait(0.2)  # lingering now
+            late = kernel.dispatch(CreateRun("deaf", {"value": 9})).workflow_run_id
+            for _ in range(200):
+                if WorkflowRun.objects.get(pk=late).status == Status.COMPLETED:
+                    break
+                threading.Event().wait(0.05)
+        finally:
+            dq.stop_signal().set()
+            thread.join(10)
+            listener.stop()
+    assert not thread.is_alive()
+    assert WorkflowRun.objects.get(pk=late).status == Status.COMPLETED
+    assert result["processed"] == 4
