@@ -55,7 +55,9 @@ def is_connection_error(exc: BaseException, using: str = DEFAULT_DB_ALIAS) -> bo
     says the connection is closed or broken (psycopg 3 ``closed``/``broken``: terminated,
     timed out, server gone), when Django holds no connection any more (a refused connection,
     or one Django dropped after a failed rollback), or when PostgreSQL's SQLSTATE is a
-    connection class (``08xxx``, ``57P01``-``57P03``, ``57P05``). False for every other error,
+    connection class (``08xxx``, ``57P01``-``57P03``, ``57P05``; when the driver's error has
+    no SQLSTATE, any along the exception chain, :func:`_chain`). False for every
+    other error,
     including deadlocks, serialization failures and statement timeouts, and always on SQLite
     (its "connection" is a file: an ``OperationalError`` there is a lock or a bad file).
     """
@@ -71,8 +73,37 @@ def is_connection_error(exc: BaseException, using: str = DEFAULT_DB_ALIAS) -> bo
         return True
     if getattr(raw, "closed", False) or getattr(raw, "broken", False):
         return True
-    sqlstate = getattr(exc.__cause__, "sqlstate", None) or ""
+    if getattr(exc.__cause__, "sqlstate", None):  # the driver's error says what it was
+        return _is_connection_sqlstate(exc.__cause__)
+    # A driver error without SQLSTATE ("the connection is closed") raised while handling
+    # another: that one tells (see _chain)
+    return any(_is_connection_sqlstate(e) for e in _chain(exc))
+
+
+def _is_connection_sqlstate(exc: BaseException) -> bool:
+    sqlstate = getattr(exc, "sqlstate", None) or ""
     return sqlstate.startswith("08") or sqlstate in _CONNECTION_SQLSTATES
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception it was raised from or while handling (``__cause__``,
+    ``__context__``), each once.
+
+    The driver's error with the SQLSTATE is not always ``exc.__cause__``: with server-side
+    binding (docs/howto/tuning-postgresql.md) and ``DEBUG`` on, Django's debug cursor renders
+    the failed statement for its log by opening another cursor on the dead connection, and
+    that raises "the connection is closed" (no SQLSTATE) while the original error (``57P01``,
+    ``57P05``, ...) is still being handled: it is that error's ``__context__``.
+    """
+    seen: list[BaseException] = []
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        current = stack.pop()
+        if current is None or any(current is s for s in seen):
+            continue
+        seen.append(current)
+        stack += [current.__cause__, current.__context__]
+    return seen
 
 
 def discard_connection(using: str = DEFAULT_DB_ALIAS) -> None:
