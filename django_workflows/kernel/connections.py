@@ -56,7 +56,10 @@ def is_connection_error(exc: BaseException, using: str = DEFAULT_DB_ALIAS) -> bo
     timed out, server gone), when Django holds no connection any more (a refused connection,
     or one Django dropped after a failed rollback), or when PostgreSQL's SQLSTATE is a
     connection class (``08xxx``, ``57P01``-``57P03``, ``57P05``; when the driver's error has
-    no SQLSTATE, any along the exception chain, :func:`_chain`). False for every
+    no SQLSTATE, any along the exception chain, :func:`_chain`, or a driver error there that
+    says the connection is gone, as "server closed the connection unexpectedly" does; with
+    ``DEBUG`` on and server-side binding the error raised is a later "the connection is
+    closed" while Django may already hold a new connection). False for every
     other error,
     including deadlocks, serialization failures and statement timeouts, and always on SQLite
     (its "connection" is a file: an ``OperationalError`` there is a lock or a bad file).
@@ -80,9 +83,24 @@ def is_connection_error(exc: BaseException, using: str = DEFAULT_DB_ALIAS) -> bo
     return any(_is_connection_sqlstate(e) for e in _chain(exc))
 
 
+#: How psycopg 3 / libpq word a connection that is gone, in errors without SQLSTATE (raised
+#: by the client, not the server): psycopg's own checks and libpq's read failure.
+_LOST_CONNECTION_MESSAGES = (
+    "the connection is closed",
+    "the connection is lost",
+    "consuming input failed",
+    "server closed the connection unexpectedly",
+)
+
+
 def _is_connection_sqlstate(exc: BaseException) -> bool:
+    """``exc`` carries a connection-class SQLSTATE, or is a driver error without SQLSTATE that
+    says the connection is gone (:data:`_LOST_CONNECTION_MESSAGES`)."""
     sqlstate = getattr(exc, "sqlstate", None) or ""
-    return sqlstate.startswith("08") or sqlstate in _CONNECTION_SQLSTATES
+    if sqlstate:
+        return sqlstate.startswith("08") or sqlstate in _CONNECTION_SQLSTATES
+    module = type(exc).__module__ or ""
+    return module.startswith("psycopg") and str(exc).lstrip().startswith(_LOST_CONNECTION_MESSAGES)
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
