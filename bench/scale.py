@@ -376,7 +376,10 @@ def populate(finished: int, live: int, *, log: Callable[[str], None] = lambda _m
         cursor.execute(LAYOUT_SQL)
         for label, sql in [*FINISHED_SQL, *LIVE_SQL]:
             t0 = time.perf_counter()
-            cursor.execute(sql, params)
+            # Several statements in one: bound on the client (``compose_sql``), as server-side
+            # binding (docs/howto/tuning-postgresql.md) refuses parameters in a multi-statement
+            # string; without parameters psycopg sends it as one simple query.
+            cursor.execute(connection.ops.compose_sql(sql, params))
             seconds[label] = round(time.perf_counter() - t0, 2)
             log(f"{label}: {seconds[label]} s")
         cursor.execute("DROP TABLE scale_layout, scale_live, scale_live_stage")

@@ -55,7 +55,12 @@ def is_connection_error(exc: BaseException, using: str = DEFAULT_DB_ALIAS) -> bo
     says the connection is closed or broken (psycopg 3 ``closed``/``broken``: terminated,
     timed out, server gone), when Django holds no connection any more (a refused connection,
     or one Django dropped after a failed rollback), or when PostgreSQL's SQLSTATE is a
-    connection class (``08xxx``, ``57P01``-``57P03``, ``57P05``). False for every other error,
+    connection class (``08xxx``, ``57P01``-``57P03``, ``57P05``; when the driver's error has
+    no SQLSTATE, any along the exception chain, :func:`_chain`, or a driver error there that
+    says the connection is gone, as "server closed the connection unexpectedly" does; with
+    ``DEBUG`` on and server-side binding the error raised is a later "the connection is
+    closed" while Django may already hold a new connection). False for every
+    other error,
     including deadlocks, serialization failures and statement timeouts, and always on SQLite
     (its "connection" is a file: an ``OperationalError`` there is a lock or a bad file).
     """
@@ -71,8 +76,52 @@ def is_connection_error(exc: BaseException, using: str = DEFAULT_DB_ALIAS) -> bo
         return True
     if getattr(raw, "closed", False) or getattr(raw, "broken", False):
         return True
-    sqlstate = getattr(exc.__cause__, "sqlstate", None) or ""
-    return sqlstate.startswith("08") or sqlstate in _CONNECTION_SQLSTATES
+    if getattr(exc.__cause__, "sqlstate", None):  # the driver's error says what it was
+        return _is_connection_sqlstate(exc.__cause__)
+    # A driver error without SQLSTATE ("the connection is closed") raised while handling
+    # another: that one tells (see _chain)
+    return any(_is_connection_sqlstate(e) for e in _chain(exc))
+
+
+#: How psycopg 3 / libpq word a connection that is gone, in errors without SQLSTATE (raised
+#: by the client, not the server): psycopg's own checks and libpq's read failure.
+_LOST_CONNECTION_MESSAGES = (
+    "the connection is closed",
+    "the connection is lost",
+    "consuming input failed",
+    "server closed the connection unexpectedly",
+)
+
+
+def _is_connection_sqlstate(exc: BaseException) -> bool:
+    """``exc`` carries a connection-class SQLSTATE, or is a driver error without SQLSTATE that
+    says the connection is gone (:data:`_LOST_CONNECTION_MESSAGES`)."""
+    sqlstate = getattr(exc, "sqlstate", None) or ""
+    if sqlstate:
+        return sqlstate.startswith("08") or sqlstate in _CONNECTION_SQLSTATES
+    module = type(exc).__module__ or ""
+    return module.startswith("psycopg") and str(exc).lstrip().startswith(_LOST_CONNECTION_MESSAGES)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception it was raised from or while handling (``__cause__``,
+    ``__context__``), each once.
+
+    The driver's error with the SQLSTATE is not always ``exc.__cause__``: with server-side
+    binding (docs/howto/tuning-postgresql.md) and ``DEBUG`` on, Django's debug cursor renders
+    the failed statement for its log by opening another cursor on the dead connection, and
+    that raises "the connection is closed" (no SQLSTATE) while the original error (``57P01``,
+    ``57P05``, ...) is still being handled: it is that error's ``__context__``.
+    """
+    seen: list[BaseException] = []
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        current = stack.pop()
+        if current is None or any(current is s for s in seen):
+            continue
+        seen.append(current)
+        stack += [current.__cause__, current.__context__]
+    return seen
 
 
 def discard_connection(using: str = DEFAULT_DB_ALIAS) -> None:

@@ -283,6 +283,40 @@ def test_no_retry_inside_an_open_atomic_block() -> None:
 
 
 @needs_pg
+@pytest.mark.parametrize("server_side_binding", [False, True])
+def test_a_terminated_connection_is_recognised_with_the_debug_cursor(
+    server_side_binding: bool,
+) -> None:
+    """With ``DEBUG`` (the debug cursor) and server-side binding, Django renders the failed
+    statement by opening another cursor on the dead connection, which raises "the connection
+    is closed" without SQLSTATE over the original 57P01: still a connection error, retried."""
+    options = connection.settings_dict["OPTIONS"]
+    saved = dict(options)
+    connection.close()
+    options["server_side_binding"] = server_side_binding
+    connection.features.__dict__.pop("uses_server_side_binding", None)
+    connection.force_debug_cursor = True
+    calls = {"n": 0}
+
+    def count_runs() -> int:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            _kill_own_connection()
+        with transaction.atomic():
+            return WorkflowRun.objects.count()
+
+    try:
+        assert retry_on_disconnect(count_runs, what="test", sleep=lambda s: None) == 0
+        assert calls["n"] == 2
+    finally:
+        connection.force_debug_cursor = False
+        connection.close()
+        options.clear()
+        options.update(saved)
+        connection.features.__dict__.pop("uses_server_side_binding", None)
+
+
+@needs_pg
 def test_retry_gives_up_after_the_reconnect_window() -> None:
     calls = {"n": 0}
     waits: list[float] = []
