@@ -161,8 +161,11 @@ def work(claim: bool = False) -> dict[str, Any]:
                     hand_on = stop.is_set()
                     break
                 close_old_connections()
-    if hand_on:
-        for queue in sorted(queues):  # work may be left: hand it to the next free worker
+    if hand_on and not (listener is not None and not stop.is_set() and _wake_locally()):
+        # Work may be left: hand it to the next free worker. With a listener, a new task in
+        # this cluster's own queue takes over at once (a NOTIFY sent now would not reach this
+        # process's listener while it is deaf); a stopping cluster hands on through the broker.
+        for queue in sorted(queues):
             kernel.transport.wake_workers(1, queue=queue)
     return asdict(total)
 

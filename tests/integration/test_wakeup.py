@@ -385,3 +385,45 @@ def test_a_busy_task_goes_deaf_and_listens_again_before_it_lingers(monkeypatch: 
     assert not thread.is_alive()
     assert WorkflowRun.objects.get(pk=late).status == Status.COMPLETED
     assert result["processed"] == 4
+
+
+@requires_postgres
+def test_a_work_task_out_of_time_hands_on_through_its_own_task_queue(monkeypatch: Any) -> None:
+    """A ``work`` task whose ``WORK_TASK_SECONDS`` ran out with work left puts its successor
+    into this cluster's own task queue - not a NOTIFY its own deaf listener would miss."""
+    import multiprocessing
+    import queue
+
+    from django_workflows import define_workflow
+    from django_workflows.kernel import CreateRun
+    from django_workflows.testing import make_kernel
+    from tests.workflows import add
+
+    workflow = define_workflow(id="hand-on").pipe(add(1, stage_id="a")).build()
+    kernel = make_kernel(workflow, transport=dq.DjangoQTransport())
+    for value in (1, 2):
+        kernel.dispatch(CreateRun("hand-on", {"value": value}))
+    monkeypatch.setattr(dq, "get_kernel", lambda: kernel)
+    monkeypatch.setattr(dq, "ensure_supervisor", lambda *a, **k: None)
+    monkeypatch.setattr(dq, "_stop", dq.StopSignal())
+    local: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=4)
+    monkeypatch.setattr(multiprocessing, "current_process", lambda: _FakeWorkerProcess(local))
+    woken: list[str] = []
+    monkeypatch.setattr(
+        dq.DjangoQTransport, "wake_workers", lambda self, jobs, queue="default": woken.append(queue)
+    )
+    with _settings(JOBS_PER_WAKEUP=1, WORK_TASK_SECONDS=0):
+        listener = dq.ensure_listener()
+        assert listener is not None
+        listener._last_idle_wake = float("inf")  # no idle wake-up of its own in this test
+        assert listener.connected.wait(10)
+        while not local.empty():  # one it sent before that, connecting with work waiting
+            local.get_nowait()
+        try:
+            result = dq.work()
+        finally:
+            listener._last_idle_wake = float("-inf")
+            listener.stop()
+    assert result["processed"] == 1  # one delivery, then out of time with a run left
+    assert local.get_nowait()["func"] == dq.WORK_TASK and local.empty()
+    assert woken == []
