@@ -18,8 +18,11 @@ and the monitor deletes: three or four more commits per wake-up, and a latency o
   work is ready (``JOBS_PER_WAKEUP`` per lease loop, the loop repeated until the task has run
   for :func:`work_task_seconds`), then hands on with one wake-up.
 * **Idle process.** A notification that reaches a process not running a ``work`` task (its
-  linger ran out) is turned into one django-q2 wake-up by its listener (at most one per
-  :data:`IDLE_WAKE_INTERVAL_SECONDS` per process), so the old path remains the floor.
+  linger ran out) is turned into one django-q2 ``work`` task by its listener (at most one per
+  :data:`IDLE_WAKE_INTERVAL_SECONDS` per process), put straight into the process's own
+  cluster's task queue (``transport.django_q._wake_locally``: no broker row, no wait for the
+  pusher's poll, and with several hosts on one broker each host wakes its own workers); the
+  broker is the floor when that queue is full or the process is not a django-q2 worker.
 * **Deaf while busy.** PostgreSQL signals *every* backend that listens in the database
   on every ``NOTIFY`` commit (whatever the channel) and each of them reads the queue in a
   transaction of its own: one more server-counted commit per notification per listening
