@@ -124,7 +124,7 @@ def project_env(database_url: str, var_dir: Path, **extra: str) -> dict[str, str
         # Production settings: with DEBUG the example project's CursorDebugWrapper records
         # every statement (about 1 ms of CPU per stage, measured in process).
         DJANGO_DEBUG="0",
-        # The engine's clusters wake with PostgreSQL NOTIFY (opt-in, issue 19).
+        # The engine's clusters wake with PostgreSQL NOTIFY (the default since issue 19).
         WORKFLOWS_WAKE_WITH_NOTIFY="1",
         PYTHONUNBUFFERED="1",
         PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),

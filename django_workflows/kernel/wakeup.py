@@ -445,5 +445,7 @@ def process_listener(cluster: str, idle_wake: Callable[[], None]) -> Listener | 
     with _listener_lock:
         pid = os.getpid()
         if _listener is None or _listener[0] != pid or _listener[1].cluster != cluster:
+            if _listener is not None and _listener[0] == pid:
+                _listener[1].stop()  # another cluster's listener of this process: end it
             _listener = (pid, Listener(cluster, idle_wake))
         return _listener[1].start()

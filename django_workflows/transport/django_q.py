@@ -152,10 +152,13 @@ def work(claim: bool = False) -> dict[str, Any]:
                     # costs the server one transaction of the listener (kernel/wakeup.py).
                     listener.deafen()
                     continue
-                if listener.deaf:
-                    # That look was deaf: listen, then look once more before waiting.
-                    listener.hear()
-                    continue
+                if listener.deaf or not listener.listening.is_set():
+                    # That look was deaf (this task's, or the task before it in this process
+                    # left deaf and its LISTEN is not in effect yet): listen, then look once
+                    # more before waiting. A listener whose connection is down cannot: wait
+                    # anyway - once reconnected it looks for waiting work itself.
+                    if listener.hear():
+                        continue
                 wait = min(linger, deadline - time.monotonic())
                 if linger <= 0 or not listener.wait(wait, stop):
                     hand_on = stop.is_set()
@@ -164,7 +167,8 @@ def work(claim: bool = False) -> dict[str, Any]:
     if hand_on and not (listener is not None and not stop.is_set() and _wake_locally()):
         # Work may be left: hand it to the next free worker. With a listener, a new task in
         # this cluster's own queue takes over at once (a NOTIFY sent now would not reach this
-        # process's listener while it is deaf); a stopping cluster hands on through the broker.
+        # process's listener while it is deaf); otherwise, and in a stopping cluster, through
+        # the transport (a NOTIFY other clusters hear, or a broker row).
         for queue in sorted(queues):
             kernel.transport.wake_workers(1, queue=queue)
     return asdict(total)
@@ -223,17 +227,54 @@ def _wake_locally() -> bool:
     host's workers stay idle (issue 19: one host of three ran 1-6 % of the stages). It costs
     no database statement and starts at once, not at the pusher's next broker poll. The task
     runs in django-q2's worker loop like any other: its timeout, the monitor, the guard; it
-    has no broker row to acknowledge.
+    has no broker row to acknowledge. Once this process has begun to exit, ``False``
+    (:func:`_close_local_wake_at_exit`).
     """
+    task_queue = local_task_queue()
+    if task_queue is None:
+        return False
+    with _local_wake_lock:
+        if _local_wake_closed:
+            return False
+        _close_local_wake_at_exit()
+        return _put_work_task(task_queue)
+
+
+#: Serialises local puts against the process's exit (:func:`_close_local_wake_at_exit`).
+_local_wake_lock = threading.Lock()
+_local_wake_closed = False
+_local_wake_finalizer_pid: int | None = None
+
+
+def _close_local_wake_at_exit() -> None:
+    """Make this process's exit stop local puts before ``multiprocessing`` closes the task
+    queue's feeder (``Queue._finalize_close``, exit priority 10): a put after that would be
+    queued behind the feeder's end marker and never sent, and the slot it took of the queue's
+    ``queue_limit`` would never be given back - after ``queue_limit`` such losses (a worker
+    recycled while its listener put) the cluster's pusher would block for good. Registered once
+    per process (call with ``_local_wake_lock`` held)."""
+    global _local_wake_finalizer_pid
+    import multiprocessing.util
+
+    if _local_wake_finalizer_pid == os.getpid():
+        return
+    _local_wake_finalizer_pid = os.getpid()
+    multiprocessing.util.Finalize(None, _local_wake_closes, exitpriority=100)
+
+
+def _local_wake_closes() -> None:
+    global _local_wake_closed
+    with _local_wake_lock:  # a put under way completes first, so the feeder still sends it
+        _local_wake_closed = True
+
+
+def _put_work_task(task_queue: Any) -> bool:
     import queue as queue_module
     import uuid
 
     from django.utils import timezone
     from django_q.conf import Conf
 
-    task_queue = local_task_queue()
-    if task_queue is None:
-        return False
     task = {
         "id": uuid.uuid4().hex,
         "name": WORK_TASK.rsplit(".", 1)[-1],

@@ -427,3 +427,27 @@ def test_a_work_task_out_of_time_hands_on_through_its_own_task_queue(monkeypatch
     assert result["processed"] == 1  # one delivery, then out of time with a run left
     assert local.get_nowait()["func"] == dq.WORK_TASK and local.empty()
     assert woken == []
+
+
+def test_a_process_that_began_to_exit_puts_no_local_wake_up(monkeypatch: Any) -> None:
+    """Exiting, ``multiprocessing`` closes the task queue's feeder (exit priority 10); a put
+    after that would never be sent and would keep one of the queue's ``queue_limit`` slots
+    for good. Local puts stop first (a finalizer of priority 100), and a put under way ends
+    before it."""
+    import multiprocessing
+    import multiprocessing.util
+    import queue
+
+    local: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=4)
+    monkeypatch.setattr(multiprocessing, "current_process", lambda: _FakeWorkerProcess(local))
+    monkeypatch.setattr(dq, "_local_wake_closed", False)
+    monkeypatch.setattr(dq, "_local_wake_finalizer_pid", None)
+    assert dq._wake_locally() and local.qsize() == 1
+    finalizers = [
+        key[0]
+        for key, finalizer in multiprocessing.util._finalizer_registry.items()
+        if finalizer._callback is dq._local_wake_closes
+    ]
+    assert finalizers and min(finalizers) > 10  # before Queue._finalize_close
+    dq._local_wake_closes()  # what the process's exit runs
+    assert not dq._wake_locally() and local.qsize() == 1
