@@ -154,14 +154,13 @@ def test_a_listener_whose_connection_is_terminated_reconnects_and_looks_once() -
         listener.stop()
 
 
-@requires_postgres
-def test_a_lingering_work_task_leases_the_run_created_while_it_waits(monkeypatch: Any) -> None:
-    """``work`` found nothing, lingers, a run is created (its NOTIFY rides the create's commit)
-    and the same task delivers its stage, then returns when the stop is set."""
+def _work_kernel(monkeypatch: Any, workflow_id: str) -> Any:
+    """A kernel (real-time clock, django-q2 transport) of a one-stage workflow ``workflow_id``
+    that this process's ``work`` task uses, with no supervisor thread and a fresh stop signal.
+    """
     from datetime import UTC, datetime
 
     from django_workflows import define_workflow
-    from django_workflows.kernel import CreateRun
     from django_workflows.testing import make_kernel
     from django_workflows.testing.clock import FakeClock
     from tests.workflows import add
@@ -170,13 +169,32 @@ def test_a_lingering_work_task_leases_the_run_created_while_it_waits(monkeypatch
         def now(self) -> datetime:
             return datetime.now(UTC)
 
-    workflow = define_workflow(id="linger").pipe(add(1, stage_id="a")).build()
+    workflow = define_workflow(id=workflow_id).pipe(add(1, stage_id="a")).build()
     kernel = make_kernel(
         workflow, clock=RealClock(datetime.now(UTC)), transport=dq.DjangoQTransport()
     )
     monkeypatch.setattr(dq, "get_kernel", lambda: kernel)
     monkeypatch.setattr(dq, "ensure_supervisor", lambda *a, **k: None)
     monkeypatch.setattr(dq, "_stop", dq.StopSignal())
+    return kernel
+
+
+def _wait_completed(run_id: str, timeout: float = 10.0) -> None:
+    """Return once run ``run_id`` is COMPLETED, or after ``timeout`` seconds (the caller
+    asserts)."""
+    for _ in range(int(timeout / 0.05)):
+        if WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED:
+            return
+        threading.Event().wait(0.05)
+
+
+@requires_postgres
+def test_a_lingering_work_task_leases_the_run_created_while_it_waits(monkeypatch: Any) -> None:
+    """``work`` found nothing, lingers, a run is created (its NOTIFY rides the create's commit)
+    and the same task delivers its stage, then returns when the stop is set."""
+    from django_workflows.kernel import CreateRun
+
+    kernel = _work_kernel(monkeypatch, "linger")
     result: dict[str, Any] = {}
 
     def task() -> None:
@@ -192,10 +210,7 @@ def test_a_lingering_work_task_leases_the_run_created_while_it_waits(monkeypatch
         thread.start()
         try:
             run_id = kernel.dispatch(CreateRun("linger", {"value": 1})).workflow_run_id
-            for _ in range(200):
-                if WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED:
-                    break
-                threading.Event().wait(0.05)
+            _wait_completed(run_id)
         finally:
             dq.stop_signal().set()
             thread.join(10)
@@ -332,25 +347,9 @@ def test_a_busy_task_goes_deaf_and_listens_again_before_it_lingers(monkeypatch: 
     """With more ready jobs than one lease loop takes (``JOBS_PER_WAKEUP``) the task deafens
     its listener while it keeps leasing, listens again and looks once more before lingering,
     and still hears the run created while it lingers."""
-    from datetime import UTC, datetime
-
-    from django_workflows import define_workflow
     from django_workflows.kernel import CreateRun
-    from django_workflows.testing import make_kernel
-    from django_workflows.testing.clock import FakeClock
-    from tests.workflows import add
 
-    class RealClock(FakeClock):
-        def now(self) -> datetime:
-            return datetime.now(UTC)
-
-    workflow = define_workflow(id="deaf").pipe(add(1, stage_id="a")).build()
-    kernel = make_kernel(
-        workflow, clock=RealClock(datetime.now(UTC)), transport=dq.DjangoQTransport()
-    )
-    monkeypatch.setattr(dq, "get_kernel", lambda: kernel)
-    monkeypatch.setattr(dq, "ensure_supervisor", lambda *a, **k: None)
-    monkeypatch.setattr(dq, "_stop", dq.StopSignal())
+    kernel = _work_kernel(monkeypatch, "deaf")
     run_ids = [kernel.dispatch(CreateRun("deaf", {"value": i})).workflow_run_id for i in range(3)]
     result: dict[str, Any] = {}
 
@@ -374,10 +373,7 @@ def test_a_busy_task_goes_deaf_and_listens_again_before_it_lingers(monkeypatch: 
             assert listener.deafened >= 1 and not listener.deaf
             threading.Event().wait(0.2)  # lingering now
             late = kernel.dispatch(CreateRun("deaf", {"value": 9})).workflow_run_id
-            for _ in range(200):
-                if WorkflowRun.objects.get(pk=late).status == Status.COMPLETED:
-                    break
-                threading.Event().wait(0.05)
+            _wait_completed(late)
         finally:
             dq.stop_signal().set()
             thread.join(10)
@@ -394,18 +390,11 @@ def test_a_work_task_out_of_time_hands_on_through_its_own_task_queue(monkeypatch
     import multiprocessing
     import queue
 
-    from django_workflows import define_workflow
     from django_workflows.kernel import CreateRun
-    from django_workflows.testing import make_kernel
-    from tests.workflows import add
 
-    workflow = define_workflow(id="hand-on").pipe(add(1, stage_id="a")).build()
-    kernel = make_kernel(workflow, transport=dq.DjangoQTransport())
+    kernel = _work_kernel(monkeypatch, "hand-on")
     for value in (1, 2):
         kernel.dispatch(CreateRun("hand-on", {"value": value}))
-    monkeypatch.setattr(dq, "get_kernel", lambda: kernel)
-    monkeypatch.setattr(dq, "ensure_supervisor", lambda *a, **k: None)
-    monkeypatch.setattr(dq, "_stop", dq.StopSignal())
     local: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=4)
     monkeypatch.setattr(multiprocessing, "current_process", lambda: _FakeWorkerProcess(local))
     woken: list[str] = []
