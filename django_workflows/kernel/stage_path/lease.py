@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
@@ -56,6 +57,7 @@ def lease(kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None) 
     Raises:
         django.db.OperationalError: the database stayed unreachable for ``RECONNECT_SECONDS``.
     """
+    busy_tries = 0
     while True:
         retried: list[BaseException] = []
         found = retry_on_disconnect(
@@ -67,6 +69,12 @@ def lease(kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None) 
         )
         if found is _AGAIN:
             continue  # failed instead, or not this worker's queue (committed): look again
+        if found is _BUSY:
+            busy_tries += 1
+            if busy_tries > BUSY_RETRIES:
+                return None  # still locked: its holder's commit wakes or leases it
+            time.sleep(BUSY_RETRY_SECONDS)  # an outcome transaction commits in milliseconds
+            continue
         if found is None:
             return None
         fault_point("lease.after_commit")
@@ -75,6 +83,14 @@ def lease(kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None) 
 
 #: :func:`_lease_transaction` committed a settlement instead of a delivery: lease again.
 _AGAIN: Any = object()
+#: :func:`lease_within` found no job to lease, but passed over a ready job because another
+#: transaction held its run (an outcome of that run in flight): look again shortly. Two
+#: workers could otherwise both miss the job - the one committing an outcome skips the job
+#: row the other has locked while it finds the run locked - and leave it for the tick.
+_BUSY: Any = object()
+#: How often :func:`lease` looks again after :data:`_BUSY`, and how long it waits before each.
+BUSY_RETRIES = 20
+BUSY_RETRY_SECONDS = 0.01
 
 
 def _lease_transaction(
@@ -93,7 +109,7 @@ def _lease_transaction(
             if orphan is not None:
                 return orphan
         delivery = lease_within(kernel, worker_id, queues)
-        if delivery is not None and delivery is not _AGAIN:
+        if delivery is not None and delivery is not _AGAIN and delivery is not _BUSY:
             fault_point("lease.before_commit")
     return delivery
 
@@ -104,7 +120,8 @@ def lease_within(
     """The body of transaction 1 in the caller's transaction: lease the next ready job of
     ``queues`` (or claim a PENDING run and lease its first job) to ``worker_id`` and start
     its stage, appending its events with a causation of their own. ``None``: no work;
-    :data:`_AGAIN`: something was settled instead (see :func:`_lease_transaction`).
+    :data:`_AGAIN`: something was settled instead (see :func:`_lease_transaction`);
+    :data:`_BUSY`: no work leased, but a ready job was passed over because its run was locked.
 
     Also called by an outcome transaction that did not continue its own run
     (:mod:`.outcome`, issue 19): the worker's next delivery is leased in the commit of its
@@ -113,10 +130,12 @@ def lease_within(
     """
     events: list[dict[str, Any]] = []
     locked: dict[int, WorkflowRun | None] = {}
+    passed_over: list[int] = []
 
     def run_is_free(job: WorkflowJob, locked: dict[int, Any] = locked) -> bool:
         run = try_lock_run(job.workflow_run_id)
         if run is LOCKED:  # never wait for a run while holding a job (deadlocks)
+            passed_over.append(job.pk)
             return False
         locked[job.pk] = run  # type: ignore[assignment]
         return True
@@ -139,7 +158,7 @@ def lease_within(
             kernel.registry, versions, kernel.transport, claim=claim_next_pending_run
         )
         if run is None:
-            return None
+            return _BUSY if passed_over else None
         started = start_claimed_run(
             kernel, run, worker_id, events, reserve_for=worker_id, serves=queues
         )

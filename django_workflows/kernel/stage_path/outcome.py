@@ -29,7 +29,7 @@ from ..outbox import append_events
 from ..services import KernelStageServices
 from ..store import stages_of, write_annotations, write_log
 from . import Delivery, Outcome, _Discard
-from .lease import _AGAIN, _adopt_orphan, begin, lease_within
+from .lease import _AGAIN, _BUSY, _adopt_orphan, begin, lease_within
 from .records import write_outcome
 from .transition import advance
 
@@ -155,7 +155,7 @@ def _stage_transaction(
         found: Any = None
         if looked:
             found = _lease_next(kernel, reserve_for, queues)  # type: ignore[arg-type]
-            following = None if found is _AGAIN or found is _FAILED else found
+            following = None if found is _AGAIN or found is _FAILED or found is _BUSY else found
         fault_point("outcome.before_commit")
     return Outcome(
         stage_result.outcome,
@@ -163,7 +163,7 @@ def _stage_transaction(
         retrying=result == Status.PENDING,
         next=following,
         result=stage_result,
-        no_work=looked and found is None,
+        no_work=looked and found is None,  # _BUSY: the worker leases again on its own
     )
 
 
