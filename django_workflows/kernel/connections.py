@@ -59,8 +59,7 @@ def is_connection_error(exc: BaseException, using: str = DEFAULT_DB_ALIAS) -> bo
     no SQLSTATE, any along the exception chain, :func:`_chain`, or a driver error there that
     says the connection is gone, as "server closed the connection unexpectedly" does; with
     ``DEBUG`` on and server-side binding the error raised is a later "the connection is
-    closed" while Django may already hold a new connection). False for every
-    other error,
+    closed" while Django may already hold a new connection). False for every other error,
     including deadlocks, serialization failures and statement timeouts, and always on SQLite
     (its "connection" is a file: an ``OperationalError`` there is a lock or a bad file).
     """
