@@ -153,6 +153,23 @@ DEFAULTS: dict[str, Any] = {
     # Longest long poll of GET runs/{id}/events/?wait= (seconds), and how often it looks.
     "API_LONG_POLL_MAX_SECONDS": 30.0,
     "API_LONG_POLL_INTERVAL_SECONDS": 0.15,
+    # Health and metrics (issue 20; django_workflows.health, docs/howto/health-and-metrics.md).
+    # workflows_health and the readiness view fail the "outbox" check when the oldest
+    # deliverable undelivered outbox event is older than this (seconds); None: not checked.
+    "HEALTH_MAX_OUTBOX_LAG_SECONDS": 300.0,
+    # ... and the "dead_letters" check when more dead letters than this wait for an operator
+    # (0: any dead letter fails it); None: not checked.
+    "HEALTH_MAX_DEAD_LETTERS": 0,
+    # The readiness view's bounds on the database (seconds): connecting (PostgreSQL
+    # connect_timeout, whole seconds, at least 1) and each statement (statement_timeout).
+    "HEALTH_DB_TIMEOUT_SECONDS": 2.0,
+    # Bearer token of the metrics view and of the readiness view's numbers: requests must
+    # send "Authorization: Bearer <token>" (or be a staff user's session). None: the metrics
+    # view is open to whoever can reach its URL, and readiness shows only check names and ok.
+    "HEALTH_TOKEN": None,
+    # The window (seconds) of the metrics' "runs finished recently per workflow and status"
+    # gauge (workflows_runs_finished_window); 0: not computed.
+    "HEALTH_FINISHED_WINDOW_SECONDS": 300.0,
 }
 
 

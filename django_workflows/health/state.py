@@ -1,0 +1,404 @@
+"""What the engine's tables say about its health right now (issue 20 items 2 and 4).
+
+:func:`snapshot` reads, in a handful of indexed queries, everything the health checks
+(:mod:`.checks`), the Prometheus endpoint (:mod:`.prometheus`) and the OpenTelemetry
+observable gauges report: ready and running jobs per queue and the age of the oldest ready
+one, live workers per queue and deploy version, the outbox backlog and its lag, dead
+letters, the schedule lag, the ticker lease, live runs by status and the runs finished
+recently. Every age is measured against the lease clock (the **database's** clock, the one
+leases are stamped with), read once per snapshot.
+
+Where each number comes from:
+
+* ready / running: ``workflow_jobs`` rows PENDING whose retry back-off has passed
+  (``next_poll_at`` unset or due) / RUNNING, grouped by ``queue`` (``wf_job_status_prio_idx``
+  bounds the scan to live jobs). A ready job's age counts from its ``next_poll_at`` when it
+  waited out a back-off, else from its ``created_at``.
+* workers: the presence rows ``worker:<queue>:<digest>`` in ``workflow_maintenance_leases``
+  (:func:`django_workflows.kernel.routing.announce`) that have not expired, joined with the
+  worker's advertised versions (``workflow_worker_versions``). A worker's *version* is its
+  deploy: the 12 hex digits that also name its deploy's ticker lease (``ticker@<digest>``,
+  :func:`django_workflows.kernel.versions.deploy_lease_name`), ``""`` for a worker that
+  advertises no versions.
+* outbox: *undelivered* = ``published_at`` and ``dlq_at`` both empty (served by the partial
+  ``wf_outbox_unpublished_idx``); a *dead letter* = ``dlq_at`` set and ``published_at``
+  empty (``wf_outbox_dead_letter_idx``; a skipped one has ``published_at`` set and no longer
+  counts). The lag is the age of the oldest undelivered event that is not held back behind a
+  dead letter of its run (those wait for an operator, and count as ``outbox_blocked``).
+* schedule lag: how long past its ``next_fire_at`` the most overdue unpaused schedule is (0
+  when none is due; ``None`` without unpaused schedules; ``wf_schedule_due_idx``).
+* ticker: the unexpired ``ticker`` / ``ticker@<digest>`` lease; *live* when its holder's
+  worker process (the owner without its ``-ticker`` suffix) still advertises its versions,
+  or, for a holder that never does, while the lease itself is unexpired (the holder renews
+  it every third of its TTL).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.db import DatabaseError, connection
+from django.db.models import Count, Min, Q
+
+from ..conf import workflow_settings
+from ..models import (
+    MaintenanceLease,
+    OutboxEvent,
+    Status,
+    WorkflowJob,
+    WorkflowRun,
+    WorkflowSchedule,
+    WorkflowWorkerVersions,
+)
+
+if TYPE_CHECKING:
+    from ..kernel.leases import LeaseClock
+
+#: Run statuses counted in :attr:`StateSnapshot.runs_by_status` (the engine never writes
+#: SUSPENDED on a run).
+LIVE_RUN_STATUSES = (Status.PENDING, Status.RUNNING)
+#: Terminal run statuses counted in :attr:`StateSnapshot.finished_recently`.
+FINISHED_RUN_STATUSES = (Status.COMPLETED, Status.FAILED, Status.CANCELLED)
+TICKER_LEASE = "ticker"
+TICKER_SUFFIX = "-ticker"
+PRESENCE_PREFIX = "worker:"
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """One queue's jobs: ``ready`` (PENDING, back-off passed), ``running`` (RUNNING) and
+    ``oldest_ready_age_seconds`` (``None`` when nothing is ready), lease-clock seconds."""
+
+    queue: str
+    ready: int
+    running: int
+    oldest_ready_age_seconds: float | None
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """``count`` live worker processes serve ``queue`` with deploy ``version`` (12 hex digits
+    of their runnable definition versions, ``""`` when they advertise none)."""
+
+    queue: str
+    version: str
+    count: int
+
+
+@dataclass(frozen=True)
+class FinishedState:
+    """``count`` runs of ``workflow_id`` reached ``status`` (COMPLETED, FAILED, CANCELLED)
+    within the last ``window_seconds``."""
+
+    workflow_id: str
+    status: str
+    count: int
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    """The engine's state at ``taken_at`` (the lease clock: the database's clock).
+
+    When the database cannot be read, ``database_ok`` is ``False``, ``database_error`` says
+    why (the exception's class name) and every other field is empty (lists empty, counts 0,
+    ages ``None``, ``ticker_live`` false).
+
+    Fields:
+        taken_at: when it was read (aware datetime, database clock).
+        database_ok: the database answered.
+        queues: every queue with a live job or a live worker, plus ``"default"``, by name.
+        workers: live worker processes per (queue, deploy version), by queue then version.
+        outbox_undelivered: outbox events neither published nor dead-lettered.
+        outbox_lag_seconds: age of the oldest deliverable undelivered event, ``None``: none.
+        dead_letters: dead-lettered events not yet replayed or skipped.
+        schedule_lag_seconds: how overdue the most overdue unpaused schedule is (0.0: none
+            due), ``None`` when there is no unpaused schedule.
+        ticker_holder: owner of the unexpired ticker lease (``worker-...-ticker``), or ``None``.
+        ticker_live: the ticker lease is held by a live worker process.
+        runs_by_status: ``{"PENDING": n, "RUNNING": n}`` (both keys always present).
+        outbox_blocked: undelivered events held back behind a dead letter of their run.
+        finished_recently: runs finished within ``finished_window_seconds`` per workflow and
+            status (sorted).
+        finished_window_seconds: the window of ``finished_recently``
+            (``HEALTH_FINISHED_WINDOW_SECONDS``).
+        ticker_leases: ``{lease name: owner}`` of every unexpired ticker lease (one per
+            deploy).
+        database_error: why the database could not be read (``""`` when it could).
+    """
+
+    taken_at: datetime
+    database_ok: bool
+    queues: list[QueueState]
+    workers: list[WorkerState]
+    outbox_undelivered: int
+    outbox_lag_seconds: float | None
+    dead_letters: int
+    schedule_lag_seconds: float | None
+    ticker_holder: str | None
+    ticker_live: bool
+    runs_by_status: dict[str, int] = field(default_factory=dict)
+    outbox_blocked: int = 0
+    finished_recently: list[FinishedState] = field(default_factory=list)
+    finished_window_seconds: float = 0.0
+    ticker_leases: dict[str, str] = field(default_factory=dict)
+    database_error: str = ""
+
+    @property
+    def live_runs(self) -> int:
+        """PENDING + RUNNING runs."""
+        return sum(self.runs_by_status.values())
+
+    def workers_for(self, queue: str) -> int:
+        """Live worker processes serving ``queue`` (any version)."""
+        return sum(w.count for w in self.workers if w.queue == queue)
+
+
+def deploy_version(versions: Any) -> str:
+    """The deploy version of an advertised versions map ``{workflow_id: [version, ...]}``:
+    12 hex digits of the SHA-1 of its sorted ``(workflow_id, version)`` pairs, as in the
+    deploy's ticker lease name; ``""`` for an empty or malformed map."""
+    if not isinstance(versions, dict):
+        return ""
+    pairs = sorted((str(wf), str(v)) for wf, listed in versions.items() for v in listed or ())
+    if not pairs:
+        return ""
+    return hashlib.sha1(json.dumps(pairs).encode()).hexdigest()[:12]
+
+
+def _seconds(now: datetime, then: datetime | None) -> float | None:
+    if then is None:
+        return None
+    return max(0.0, (now - then).total_seconds())
+
+
+def _lease_clock() -> LeaseClock:
+    from ..kernel.runtime import get_kernel
+
+    return get_kernel().lease_clock
+
+
+def empty_snapshot(taken_at: datetime, error: str) -> StateSnapshot:
+    """A snapshot of a database that could not be read (``database_ok`` false)."""
+    return StateSnapshot(
+        taken_at=taken_at,
+        database_ok=False,
+        queues=[],
+        workers=[],
+        outbox_undelivered=0,
+        outbox_lag_seconds=None,
+        dead_letters=0,
+        schedule_lag_seconds=None,
+        ticker_holder=None,
+        ticker_live=False,
+        runs_by_status={s.value: 0 for s in LIVE_RUN_STATUSES},
+        database_error=error,
+    )
+
+
+def snapshot(
+    *, lease_clock: LeaseClock | None = None, statement_timeout_ms: int | None = None
+) -> StateSnapshot:
+    """Read the engine's state (about nine indexed queries, on the default connection).
+
+    Args:
+        lease_clock: whose time ages and expiries are judged in (default: the default
+            kernel's, i.e. the database's clock; a test's ``FakeClock`` that drives leases).
+        statement_timeout_ms: on PostgreSQL, run the reads in one transaction with this
+            ``statement_timeout`` (the readiness view's bound); ``None``: no limit.
+
+    Returns:
+        A :class:`StateSnapshot`; never raises for a database error: ``database_ok`` is then
+        false (a lost connection is closed, so the next request reconnects).
+    """
+    from django.utils import timezone
+
+    try:
+        clock = lease_clock or _lease_clock()
+        if statement_timeout_ms is not None and connection.vendor == "postgresql":
+            from django.db import transaction
+
+            with transaction.atomic():
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        "SELECT set_config('statement_timeout', %s, true)",
+                        [str(int(statement_timeout_ms))],
+                    )
+                return _read(clock)
+        return _read(clock)
+    except DatabaseError as exc:
+        if not connection.in_atomic_block:
+            connection.close()
+        return empty_snapshot(timezone.now(), type(exc).__name__)
+
+
+def _read(clock: LeaseClock) -> StateSnapshot:
+    now = clock.read()
+    return StateSnapshot(
+        taken_at=now,
+        database_ok=True,
+        **_jobs_and_workers(now),
+        **_outbox(now),
+        schedule_lag_seconds=_schedule_lag(now),
+        **_ticker(now),
+        runs_by_status=_runs_by_status(),
+        **_finished(now),
+    )
+
+
+def _jobs_and_workers(now: datetime) -> dict[str, Any]:
+    # Live jobs only: the status filter is the leading column of several job indexes.
+    ready_q = Q(status=Status.PENDING) & (Q(next_poll_at__isnull=True) | Q(next_poll_at__lte=now))
+    rows = (
+        WorkflowJob.objects.filter(ready_q | Q(status=Status.RUNNING))
+        .order_by()
+        .values_list("queue", "status")
+        .annotate(n=Count("id"))
+    )
+    counts: dict[str, dict[str, Any]] = {}
+    for queue, status, n in rows:
+        entry = counts.setdefault(queue, {"ready": 0, "running": 0, "since": None})
+        entry["running" if status == Status.RUNNING else "ready"] += n
+    if any(entry["ready"] for entry in counts.values()):
+        for queue, since in _oldest_ready(now).items():
+            if queue in counts:
+                counts[queue]["since"] = since
+
+    presence = MaintenanceLease.objects.filter(
+        name__startswith=PRESENCE_PREFIX, expires_at__gt=now
+    ).values_list("name", "owner")
+    versions = {
+        worker_id: deploy_version(listed)
+        for worker_id, listed in WorkflowWorkerVersions.objects.filter(
+            expires_at__gt=now
+        ).values_list("worker_id", "versions")
+    }
+    per: dict[tuple[str, str], set[str]] = {}
+    for name, owner in presence:
+        queue = name[len(PRESENCE_PREFIX) :].rsplit(":", 1)[0]
+        per.setdefault((queue, versions.get(owner, "")), set()).add(owner)
+    workers = [WorkerState(q, v, len(ids)) for (q, v), ids in sorted(per.items())]
+
+    names = set(counts) | {w.queue for w in workers} | {"default"}
+    queues = [
+        QueueState(
+            queue=q,
+            ready=counts.get(q, {}).get("ready", 0),
+            running=counts.get(q, {}).get("running", 0),
+            oldest_ready_age_seconds=(
+                _seconds(now, counts[q]["since"]) if counts.get(q, {}).get("ready") else None
+            ),
+        )
+        for q in sorted(names)
+    ]
+    return {"queues": queues, "workers": workers}
+
+
+def _oldest_ready(now: datetime) -> dict[str, datetime]:
+    """``{queue: ready since}`` of the oldest ready job per queue: a job is ready since its
+    back-off ended (``next_poll_at``) or, without one, since it was created."""
+    found: dict[str, datetime] = {}
+    plain = (
+        WorkflowJob.objects.filter(status=Status.PENDING, next_poll_at__isnull=True)
+        .order_by()
+        .values_list("queue")
+        .annotate(t=Min("created_at"))
+    )
+    waited = (
+        WorkflowJob.objects.filter(status=Status.PENDING, next_poll_at__lte=now)
+        .order_by()
+        .values_list("queue")
+        .annotate(t=Min("next_poll_at"))
+    )
+    for queue, t in [*plain, *waited]:
+        if t is not None and (queue not in found or t < found[queue]):
+            found[queue] = t
+    return found
+
+
+def _outbox(now: datetime) -> dict[str, Any]:
+    undelivered = OutboxEvent.objects.filter(published_at__isnull=True, dlq_at__isnull=True)
+    dead = OutboxEvent.objects.filter(published_at__isnull=True, dlq_at__isnull=False)
+    dead_letters = dead.count()
+    total = undelivered.count()
+    blocked = 0
+    deliverable = undelivered
+    if dead_letters:
+        dead_runs = dead.values("workflow_run_id")
+        blocked = undelivered.filter(workflow_run_id__in=dead_runs).count()
+        deliverable = undelivered.exclude(workflow_run_id__in=dead_runs)
+    oldest = None
+    if total > blocked:
+        oldest = deliverable.aggregate(t=Min("created_at"))["t"]
+    return {
+        "outbox_undelivered": total,
+        "outbox_lag_seconds": _seconds(now, oldest),
+        "dead_letters": dead_letters,
+        "outbox_blocked": blocked,
+    }
+
+
+def _schedule_lag(now: datetime) -> float | None:
+    unpaused = WorkflowSchedule.objects.filter(paused=False)
+    first = unpaused.filter(next_fire_at__isnull=False).aggregate(t=Min("next_fire_at"))["t"]
+    if first is None:
+        return 0.0 if unpaused.exists() else None
+    return _seconds(now, first) if first <= now else 0.0
+
+
+def _ticker(now: datetime) -> dict[str, Any]:
+    rows = list(
+        MaintenanceLease.objects.filter(
+            Q(name=TICKER_LEASE) | Q(name__startswith=f"{TICKER_LEASE}@"), expires_at__gt=now
+        )
+        .order_by("-expires_at")
+        .values_list("name", "owner")
+    )
+    holder = rows[0][1] if rows else None
+    live = False
+    if holder is not None:
+        workers = [
+            owner[: -len(TICKER_SUFFIX)] if owner.endswith(TICKER_SUFFIX) else owner
+            for _, owner in rows
+        ]
+        # The unexpired lease says its holder renewed it within its TTL; a holder whose
+        # process's advertised versions expired is a stale process all the same.
+        by_id = dict(
+            WorkflowWorkerVersions.objects.filter(worker_id__in=workers).values_list(
+                "worker_id", "expires_at"
+            )
+        )
+        live = any(w not in by_id or by_id[w] > now for w in workers)
+    return {"ticker_holder": holder, "ticker_live": live, "ticker_leases": dict(rows)}
+
+
+def _runs_by_status() -> dict[str, int]:
+    counts = {s.value: 0 for s in LIVE_RUN_STATUSES}
+    rows = (
+        WorkflowRun.objects.filter(status__in=LIVE_RUN_STATUSES)
+        .order_by()
+        .values_list("status")
+        .annotate(n=Count("id"))
+    )
+    for status, n in rows:
+        counts[status] = n
+    return counts
+
+
+def _finished(now: datetime) -> dict[str, Any]:
+    window = float(workflow_settings.HEALTH_FINISHED_WINDOW_SECONDS or 0)
+    if window <= 0:
+        return {"finished_recently": [], "finished_window_seconds": 0.0}
+    rows = (
+        WorkflowRun.objects.filter(
+            completed_at__gte=now - timedelta(seconds=window), status__in=FINISHED_RUN_STATUSES
+        )
+        .order_by()
+        .values_list("workflow_id", "status")
+        .annotate(n=Count("id"))
+    )
+    found = [FinishedState(wf, status, n) for wf, status, n in sorted(rows)]
+    return {"finished_recently": found, "finished_window_seconds": window}
