@@ -133,7 +133,7 @@ def evaluate(
         versions = sorted({w.version or "unversioned" for w in snap.workers if w.queue == queue})
         count = snap.workers_for(queue)
         detail = (
-            f"{count} workers (versions {', '.join(versions)})"
+            f"{count} worker{'' if count == 1 else 's'} (versions {', '.join(versions)})"
             if count
             else f"no live worker serves queue {queue!r}"
         )

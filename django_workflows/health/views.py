@@ -91,6 +91,13 @@ def probe_database(alias: str = DEFAULT_DB_ALIAS, timeout_seconds: float | None 
     return ""
 
 
+def _quiet(response: HttpResponse) -> HttpResponse:
+    """Keep Django's request logger from logging an expected 503 at ERROR level on every
+    probe (the views log a warning of their own, naming what failed)."""
+    response._has_been_logged = True  # type: ignore[attr-defined]
+    return response
+
+
 def _queues(request: HttpRequest) -> list[str] | None:
     names = [q for q in request.GET.getlist("queue") if q.strip()]
     return names or None
@@ -122,7 +129,10 @@ def ready(request: HttpRequest) -> HttpResponse:
         logger.exception("Readiness check failed")
         return JsonResponse({"status": "unhealthy", "failing": ["error"], "checks": []}, status=503)
     body = report.to_dict(details=_authorized(request))
-    return JsonResponse(body, status=200 if report.healthy else 503)
+    if report.healthy:
+        return JsonResponse(body)
+    logger.warning("Not ready: %s", ", ".join(report.failing))
+    return _quiet(JsonResponse(body, status=503))
 
 
 @never_cache
@@ -141,5 +151,11 @@ def metrics(request: HttpRequest) -> HttpResponse:
         text = render(snap, scrape_seconds=time.perf_counter() - started)
     except Exception:
         logger.exception("Rendering the metrics failed")
-        return HttpResponse("# metrics unavailable\n", status=503, content_type=CONTENT_TYPE)
-    return HttpResponse(text, status=200 if snap.database_ok else 503, content_type=CONTENT_TYPE)
+        return _quiet(
+            HttpResponse("# metrics unavailable\n", status=503, content_type=CONTENT_TYPE)
+        )
+    response = HttpResponse(text, content_type=CONTENT_TYPE)
+    if not snap.database_ok:
+        response.status_code = 503
+        _quiet(response)
+    return response
