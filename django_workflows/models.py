@@ -127,6 +127,13 @@ class WorkflowRun(models.Model):
             models.Index(
                 fields=["workflow_id", "concurrency_key", "status"], name="wf_run_concurrency_idx"
             ),
+            # Runs finished recently, per workflow and status (the health metrics' window,
+            # issue 20): partial, so PENDING/RUNNING rows and their updates never touch it.
+            models.Index(
+                fields=["completed_at", "workflow_id", "status"],
+                name="wf_run_completed_idx",
+                condition=models.Q(completed_at__isnull=False),
+            ),
         ]
         # Operator permissions shared by the HTTP API and the admin.
         permissions = [
