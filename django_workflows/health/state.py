@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -233,6 +235,32 @@ def snapshot(
         if not connection.in_atomic_block:
             connection.close()
         return empty_snapshot(timezone.now(), type(exc).__name__)
+
+
+_cache_lock = threading.Lock()
+_cached: tuple[float, StateSnapshot] | None = None
+
+
+def cached_snapshot(max_age_seconds: float = 5.0) -> StateSnapshot:
+    """:func:`snapshot`, reused while it is younger than ``max_age_seconds`` (monotonic time,
+    per process): for callers that read several numbers of one collection, such as
+    OpenTelemetry observable gauges, each of whose callbacks would otherwise take its own
+    snapshot. Thread-safe; at most one snapshot is taken at a time."""
+    global _cached
+    with _cache_lock:
+        now = time.monotonic()
+        if _cached is not None and now - _cached[0] < max_age_seconds:
+            return _cached[1]
+        snap = snapshot()
+        _cached = (time.monotonic(), snap)
+        return snap
+
+
+def forget_cached_snapshot() -> None:
+    """Drop the snapshot :func:`cached_snapshot` keeps (tests)."""
+    global _cached
+    with _cache_lock:
+        _cached = None
 
 
 def _read(clock: LeaseClock) -> StateSnapshot:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import OperationalError, connection
+from django.db import OperationalError, connections
 from django.test import Client
 from django.urls import reverse
 
@@ -227,6 +227,17 @@ def test_a_database_error_gives_a_snapshot_that_says_so(monkeypatch: pytest.Monk
     assert not snap.database_ok and snap.database_error == "OperationalError"
     report = evaluate(snap)
     assert report.failing == ["database"]
+
+
+def test_cached_snapshot_is_reused_while_young(django_assert_num_queries: Any) -> None:
+    from django_workflows.health.state import cached_snapshot, forget_cached_snapshot
+
+    forget_cached_snapshot()
+    first = cached_snapshot(max_age_seconds=60)
+    with django_assert_num_queries(0):
+        assert cached_snapshot(max_age_seconds=60) is first
+    assert cached_snapshot(max_age_seconds=0) is not first
+    forget_cached_snapshot()
 
 
 # --- the checks ---------------------------------------------------------------------------
@@ -452,19 +463,21 @@ def test_readiness_503_without_a_trace_when_the_database_fails(
 
 
 @pytest.mark.skipif(not ON_POSTGRES, reason="a PostgreSQL port to refuse")
-def test_readiness_503_quickly_when_postgresql_is_unreachable(
-    client: Client, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_readiness_503_quickly_when_postgresql_is_unreachable(client: Client) -> None:
     import socket
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         closed_port = s.getsockname()[1]
-    settings_dict = dict(connection.settings_dict, PORT=str(closed_port))
-    monkeypatch.setattr(connection, "settings_dict", settings_dict)
-    started = time.monotonic()
-    response = client.get(reverse("workflows-health:ready"))
-    elapsed = time.monotonic() - started
+    settings_dict = connections["default"].settings_dict
+    port = settings_dict["PORT"]
+    settings_dict["PORT"] = str(closed_port)  # only the probe's fresh connection reads it
+    try:
+        started = time.monotonic()
+        response = client.get(reverse("workflows-health:ready"))
+        elapsed = time.monotonic() - started
+    finally:
+        settings_dict["PORT"] = port
     assert response.status_code == 503
     assert response.json()["failing"] == ["database"]
     assert elapsed < 3.0
