@@ -5,7 +5,8 @@ Each check judges one field of a :class:`~.state.StateSnapshot`:
 =================  ===========================================================================
 ``database``       the database answered the snapshot's reads
 ``ticker``         while runs are live (PENDING or RUNNING), an unexpired ticker lease is held
-                   by a live worker process (passes with no live run, and when
+                   by a live worker process, or has been missing no longer than
+                   :func:`ticker_grace_seconds` (passes with no live run, and when
                    ``SUPERVISOR_TICKS`` is off: ticks then come from ``workflows_tick`` or
                    ``workflows_worker``, which hold no ticker lease)
 ``workers:<q>``    at least one live worker process serves queue ``q`` (every queue of
@@ -83,6 +84,16 @@ def expected_queues() -> list[str]:
     return sorted(names | {"default"})
 
 
+def ticker_grace_seconds() -> float:
+    """How long live runs may go without a live ticker before the ``ticker`` check fails:
+    twice the takeover time (``TICKER_LEASE_SECONDS``, at most ``STALE_LEASE_SECONDS``, plus
+    ``SUPERVISOR_INTERVAL_SECONDS``), so the first run of an idle cluster, a graceful stop
+    and a dead holder's takeover do not make the check flap."""
+    from ..kernel.leases import ticker_lease_seconds
+
+    return 2 * (ticker_lease_seconds() + float(workflow_settings.SUPERVISOR_INTERVAL_SECONDS))
+
+
 def evaluate(
     snap: StateSnapshot,
     *,
@@ -119,6 +130,17 @@ def evaluate(
         checks.append(CheckResult("ticker", True, None, None, "SUPERVISOR_TICKS is off"))
     elif live == 0:
         checks.append(CheckResult("ticker", True, None, None, "not needed: no live run"))
+    elif (snap.ticker_missing_seconds or 0.0) <= ticker_grace_seconds():
+        missing = snap.ticker_missing_seconds or 0.0
+        checks.append(
+            CheckResult(
+                "ticker",
+                True,
+                None,
+                round(ticker_grace_seconds(), 3),
+                f"starting: no ticker for {missing:.1f} s, within the takeover time",
+            )
+        )
     else:
         why = (
             f"held by {snap.ticker_holder}, whose worker process is gone"
@@ -126,7 +148,13 @@ def evaluate(
             else "no live worker holds the ticker lease"
         )
         checks.append(
-            CheckResult("ticker", False, snap.ticker_holder, None, f"{why}; {live} live runs")
+            CheckResult(
+                "ticker",
+                False,
+                snap.ticker_holder,
+                round(ticker_grace_seconds(), 3),
+                f"{why} for {snap.ticker_missing_seconds or 0.0:.1f} s; {live} live runs",
+            )
         )
 
     for queue in sorted(set(queues) if queues is not None else expected_queues()):

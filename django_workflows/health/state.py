@@ -130,6 +130,11 @@ class StateSnapshot:
         ticker_leases: ``{lease name: owner}`` of every unexpired ticker lease (one per
             deploy).
         database_error: why the database could not be read (``""`` when it could).
+        oldest_live_run_age_seconds: age of the oldest PENDING or RUNNING run (``None``: none).
+        ticker_missing_seconds: with live runs and no live ticker, how long the ticker has
+            been missing: since the latest ticker lease expired (or its holder's process
+            stopped advertising), at most the oldest live run's age (a released lease:
+            that age); ``None`` when the ticker is live or no run is live.
     """
 
     taken_at: datetime
@@ -148,6 +153,8 @@ class StateSnapshot:
     finished_window_seconds: float = 0.0
     ticker_leases: dict[str, str] = field(default_factory=dict)
     database_error: str = ""
+    oldest_live_run_age_seconds: float | None = None
+    ticker_missing_seconds: float | None = None
 
     @property
     def live_runs(self) -> int:
@@ -265,14 +272,16 @@ def forget_cached_snapshot() -> None:
 
 def _read(clock: LeaseClock) -> StateSnapshot:
     now = clock.read()
+    runs, oldest_live_age = _runs_by_status(now)
     return StateSnapshot(
         taken_at=now,
         database_ok=True,
         **_jobs_and_workers(now),
         **_outbox(now),
         schedule_lag_seconds=_schedule_lag(now),
-        **_ticker(now),
-        runs_by_status=_runs_by_status(),
+        **_ticker(now, oldest_live_age),
+        runs_by_status=runs,
+        oldest_live_run_age_seconds=oldest_live_age,
         **_finished(now),
     )
 
@@ -377,43 +386,65 @@ def _schedule_lag(now: datetime) -> float | None:
     return _seconds(now, first) if first <= now else 0.0
 
 
-def _ticker(now: datetime) -> dict[str, Any]:
+def _ticker(now: datetime, oldest_live_age: float | None) -> dict[str, Any]:
     rows = list(
         MaintenanceLease.objects.filter(
-            Q(name=TICKER_LEASE) | Q(name__startswith=f"{TICKER_LEASE}@"), expires_at__gt=now
+            Q(name=TICKER_LEASE) | Q(name__startswith=f"{TICKER_LEASE}@")
         )
         .order_by("-expires_at")
-        .values_list("name", "owner")
+        .values_list("name", "owner", "expires_at")
     )
-    holder = rows[0][1] if rows else None
+    held = [(name, owner) for name, owner, expires in rows if expires > now]
+    holder = held[0][1] if held else None
     live = False
-    if holder is not None:
-        workers = [
-            owner[: -len(TICKER_SUFFIX)] if owner.endswith(TICKER_SUFFIX) else owner
-            for _, owner in rows
-        ]
+    gone_since: datetime | None = None
+    if held:
+        workers = {
+            owner: owner[: -len(TICKER_SUFFIX)] if owner.endswith(TICKER_SUFFIX) else owner
+            for _, owner in held
+        }
         # The unexpired lease says its holder renewed it within its TTL; a holder whose
         # process's advertised versions expired is a stale process all the same.
         by_id = dict(
-            WorkflowWorkerVersions.objects.filter(worker_id__in=workers).values_list(
+            WorkflowWorkerVersions.objects.filter(worker_id__in=set(workers.values())).values_list(
                 "worker_id", "expires_at"
             )
         )
-        live = any(w not in by_id or by_id[w] > now for w in workers)
-    return {"ticker_holder": holder, "ticker_live": live, "ticker_leases": dict(rows)}
+        live = any(w not in by_id or by_id[w] > now for w in workers.values())
+        if not live:
+            gone_since = max(by_id.values())
+    elif rows:
+        gone_since = rows[0][2]  # the latest lease expired then (a released one is deleted)
+    missing: float | None = None
+    if not live and oldest_live_age is not None:
+        # Missing since the lease lapsed, but not for longer than a run has been live (an
+        # idle cluster holds no ticker); released or never held: since the oldest live run.
+        missing = oldest_live_age
+        if gone_since is not None:
+            missing = min(missing, _seconds(now, gone_since) or 0.0)
+    return {
+        "ticker_holder": holder,
+        "ticker_live": live,
+        "ticker_leases": dict(held),
+        "ticker_missing_seconds": missing,
+    }
 
 
-def _runs_by_status() -> dict[str, int]:
+def _runs_by_status(now: datetime) -> tuple[dict[str, int], float | None]:
+    """``({status: live runs}, age of the oldest live run or None)``."""
     counts = {s.value: 0 for s in LIVE_RUN_STATUSES}
+    oldest: datetime | None = None
     rows = (
         WorkflowRun.objects.filter(status__in=LIVE_RUN_STATUSES)
         .order_by()
         .values_list("status")
-        .annotate(n=Count("id"))
+        .annotate(n=Count("id"), t=Min("created_at"))
     )
-    for status, n in rows:
+    for status, n, t in rows:
         counts[status] = n
-    return counts
+        if t is not None and (oldest is None or t < oldest):
+            oldest = t
+    return counts, _seconds(now, oldest)
 
 
 def _finished(now: datetime) -> dict[str, Any]:

@@ -60,10 +60,12 @@ def db_now() -> datetime:
     return clock.read() if clock.uses_database else timezone.now()
 
 
-def run(status: str = Status.RUNNING, workflow: str = "wf", **fields: Any) -> WorkflowRun:
+def run(
+    status: str = Status.RUNNING, workflow: str = "wf", age: float = 0.0, **fields: Any
+) -> WorkflowRun:
     now = db_now()
     return WorkflowRun.objects.create(
-        created_at=now,
+        created_at=now - timedelta(seconds=age),
         updated_at=now,
         workflow_id=workflow,
         workflow_name=workflow,
@@ -260,23 +262,44 @@ def test_a_healthy_cluster_passes_every_check() -> None:
 
 def test_ticker_check_fails_with_live_runs_and_an_expired_lease() -> None:
     worker("worker-a", ["default"], {"wf": ["1"]})
-    ticker("worker-a-ticker", ttl=-1)  # expired
+    ticker("worker-a-ticker", ttl=-60)  # expired a minute ago
     assert checks_by_name(evaluate(snapshot()))["ticker"].ok  # no live run: not needed
-    run(Status.PENDING)
-    check = checks_by_name(evaluate(snapshot()))["ticker"]
+    run(Status.PENDING, age=120)
+    snap = snapshot()
+    assert not snap.ticker_live and 59 <= snap.ticker_missing_seconds < 70
+    check = checks_by_name(evaluate(snap))["ticker"]
     assert not check.ok and "no live worker holds the ticker lease" in check.detail
+    assert check.threshold == 26.0  # 2 x (TICKER_LEASE_SECONDS 10 + SUPERVISOR_INTERVAL 3)
+    # Lapsed only 5 s ago: a takeover is due, not a failure yet.
+    MaintenanceLease.objects.filter(name="ticker").update(
+        expires_at=db_now() - timedelta(seconds=5)
+    )
+    check = checks_by_name(evaluate(snapshot()))["ticker"]
+    assert check.ok and check.detail.startswith("starting")
+
+
+def test_ticker_check_gives_a_new_run_time_for_a_ticker_to_start() -> None:
+    healthy_cluster()
+    MaintenanceLease.objects.filter(name="ticker").delete()  # released: the cluster was idle
+    run(Status.PENDING)  # created just now
+    assert checks_by_name(evaluate(snapshot()))["ticker"].ok
+    WorkflowRun.objects.update(created_at=db_now() - timedelta(seconds=300))
+    snap = snapshot()
+    assert 299 <= snap.ticker_missing_seconds < 310
+    assert not checks_by_name(evaluate(snap))["ticker"].ok
 
 
 def test_ticker_check_fails_when_the_holders_process_is_gone() -> None:
-    run(Status.RUNNING)
+    run(Status.RUNNING, age=600)
     # The lease is unexpired, but the process's advertised versions expired.
-    worker("worker-a", [], {"wf": ["1"]}, ttl=-5)
+    worker("worker-a", [], {"wf": ["1"]}, ttl=-120)
     ticker("worker-a-ticker@x", name="ticker@abc")
     snap = snapshot()
-    assert snap.ticker_holder == "worker-a-ticker@x"
+    assert snap.ticker_holder == "worker-a-ticker@x" and snap.ticker_live  # no versions row
     MaintenanceLease.objects.filter(name="ticker@abc").update(owner="worker-a-ticker")
     snap = snapshot()
     assert snap.ticker_holder == "worker-a-ticker" and not snap.ticker_live
+    assert 119 <= snap.ticker_missing_seconds < 130
     check = checks_by_name(evaluate(snap))["ticker"]
     assert not check.ok and "whose worker process is gone" in check.detail
 
