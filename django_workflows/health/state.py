@@ -230,13 +230,21 @@ def snapshot(
         if statement_timeout_ms is not None and connection.vendor == "postgresql":
             from django.db import transaction
 
+            # Local to this transaction (a savepoint inside a request's own transaction, as
+            # with ATOMIC_REQUESTS: put back after the reads; a failed block's rollback
+            # reverts it by itself).
             with transaction.atomic():
                 with connection.cursor() as cursor:
                     cursor.execute(
-                        "SELECT set_config('statement_timeout', %s, true)",
+                        "SELECT current_setting('statement_timeout'), "
+                        "set_config('statement_timeout', %s, true)",
                         [str(int(statement_timeout_ms))],
                     )
-                return _read(clock)
+                    previous = cursor.fetchone()[0]
+                snap = _read(clock)
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT set_config('statement_timeout', %s, true)", [previous])
+                return snap
         return _read(clock)
     except DatabaseError as exc:
         if not connection.in_atomic_block:
@@ -379,11 +387,13 @@ def _outbox(now: datetime) -> dict[str, Any]:
 
 
 def _schedule_lag(now: datetime) -> float | None:
-    unpaused = WorkflowSchedule.objects.filter(paused=False)
-    first = unpaused.filter(next_fire_at__isnull=False).aggregate(t=Min("next_fire_at"))["t"]
-    if first is None:
-        return 0.0 if unpaused.exists() else None
-    return _seconds(now, first) if first <= now else 0.0
+    found = WorkflowSchedule.objects.filter(paused=False).aggregate(
+        t=Min("next_fire_at"), n=Count("pk")
+    )
+    if not found["n"]:
+        return None
+    first = found["t"]
+    return _seconds(now, first) if first is not None and first <= now else 0.0
 
 
 def _ticker(now: datetime, oldest_live_age: float | None) -> dict[str, Any]:
