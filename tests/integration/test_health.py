@@ -623,3 +623,31 @@ def test_metrics_503_when_the_database_fails(
 
 def test_views_accept_get_only(client: Client) -> None:
     assert client.post(reverse("workflows-health:ready")).status_code == 405
+
+
+@pytest.mark.skipif(not ON_POSTGRES, reason="statement_timeout is PostgreSQL's")
+def test_statement_timeout_bounds_the_reads_and_is_put_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def show() -> str:
+        with connections["default"].cursor() as cursor:
+            cursor.execute("SHOW statement_timeout")
+            return cursor.fetchone()[0]
+
+    before = show()
+    assert snapshot(statement_timeout_ms=1500).database_ok
+    assert show() == before
+
+    real_read = state_module._read
+
+    def slow(clock: Any) -> Any:
+        with connections["default"].cursor() as cursor:
+            cursor.execute("SELECT pg_sleep(2)")
+        return real_read(clock)
+
+    monkeypatch.setattr(state_module, "_read", slow)
+    started = time.monotonic()
+    snap = snapshot(statement_timeout_ms=100)
+    assert not snap.database_ok and snap.database_error == "OperationalError"
+    assert time.monotonic() - started < 1.5
+    assert show() == before
