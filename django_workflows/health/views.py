@@ -13,7 +13,8 @@ Mount them with ``path("workflows/health/", include("django_workflows.health.url
   ``value``, ``threshold`` and ``detail``; anonymous callers learn only names and ``ok``.
 * ``metrics/`` - the Prometheus text exposition (:mod:`.prometheus`); needs the
   ``HEALTH_TOKEN`` bearer token when that setting is set (401 otherwise; a staff user's
-  session also passes), else open. 503 with a one-line comment when the database is down.
+  session also passes), else open. When the database is down: 503 with ``workflows_up 0``,
+  within the readiness view's bounds.
 
 Query parameters of ``ready/``: ``queue`` (repeatable) replaces the queues that need a live
 worker (``?queue=default``: a web pod that only needs its own queue's workers).
@@ -138,7 +139,10 @@ def ready(request: HttpRequest) -> HttpResponse:
 @never_cache
 @require_GET
 def metrics(request: HttpRequest) -> HttpResponse:
-    """The Prometheus text exposition (``text/plain; version=0.0.4``)."""
+    """The Prometheus text exposition (``text/plain; version=0.0.4``); the database is
+    probed and read with the readiness view's bounds."""
+    from django.utils import timezone
+
     from .prometheus import CONTENT_TYPE, render
 
     if workflow_settings.HEALTH_TOKEN and not _authorized(request):
@@ -147,7 +151,13 @@ def metrics(request: HttpRequest) -> HttpResponse:
         return response
     try:
         started = time.perf_counter()
-        snap = snapshot(statement_timeout_ms=int(db_timeout_seconds() * 1000))
+        timeout = db_timeout_seconds()
+        error = probe_database(timeout_seconds=timeout)
+        snap = (
+            empty_snapshot(timezone.now(), error)
+            if error
+            else snapshot(statement_timeout_ms=int(timeout * 1000))
+        )
         text = render(snap, scrape_seconds=time.perf_counter() - started)
     except Exception:
         logger.exception("Rendering the metrics failed")

@@ -499,8 +499,11 @@ def test_readiness_503_quickly_when_postgresql_is_unreachable(client: Client) ->
         started = time.monotonic()
         response = client.get(reverse("workflows-health:ready"))
         elapsed = time.monotonic() - started
+        scrape = client.get(reverse("workflows-health:metrics"))
     finally:
         settings_dict["PORT"] = port
+    assert scrape.status_code == 503
+    assert parse_exposition(scrape.content.decode())["workflows_up"]["samples"][()] == 0
     assert response.status_code == 503
     assert response.json()["failing"] == ["database"]
     assert elapsed < 3.0
