@@ -110,6 +110,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     messages += check_queue_limits()
     messages += check_wakeups()
     messages += check_stage_timeouts()
+    messages += check_health_settings()
     for alias, db in settings.DATABASES.items():
         if db.get("ENGINE", "").endswith("sqlite3"):
             mode = (db.get("OPTIONS") or {}).get("transaction_mode")
@@ -125,6 +126,44 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
         elif "postgresql" in db.get("ENGINE", ""):
             messages += check_session_bounds(alias, db)
     return messages
+
+
+def check_health_settings() -> list[Any]:
+    """``django_workflows.E040``: a health setting of the wrong kind (issue 20):
+    ``HEALTH_MAX_OUTBOX_LAG_SECONDS`` / ``HEALTH_MAX_DEAD_LETTERS`` ``None`` or a number of
+    0 or more (dead letters: an integer), ``HEALTH_DB_TIMEOUT_SECONDS`` a positive number,
+    ``HEALTH_FINISHED_WINDOW_SECONDS`` 0 or more, ``HEALTH_TOKEN`` ``None`` or a non-empty
+    string."""
+
+    def number(value: Any, *, integer: bool = False) -> bool:
+        kinds = int if integer else int | float
+        return (
+            not isinstance(value, bool)
+            and isinstance(value, kinds)
+            and math.isfinite(value)
+            and value >= 0
+        )
+
+    problems = []
+    lag = workflow_settings.HEALTH_MAX_OUTBOX_LAG_SECONDS
+    if lag is not None and not number(lag):
+        problems.append(("HEALTH_MAX_OUTBOX_LAG_SECONDS", "None or a number of 0 or more", lag))
+    dead = workflow_settings.HEALTH_MAX_DEAD_LETTERS
+    if dead is not None and not number(dead, integer=True):
+        problems.append(("HEALTH_MAX_DEAD_LETTERS", "None or an integer of 0 or more", dead))
+    timeout = workflow_settings.HEALTH_DB_TIMEOUT_SECONDS
+    if not number(timeout) or timeout == 0:
+        problems.append(("HEALTH_DB_TIMEOUT_SECONDS", "a positive number", timeout))
+    window = workflow_settings.HEALTH_FINISHED_WINDOW_SECONDS
+    if not number(window):
+        problems.append(("HEALTH_FINISHED_WINDOW_SECONDS", "a number of 0 or more", window))
+    token = workflow_settings.HEALTH_TOKEN
+    if token is not None and not (isinstance(token, str) and token):
+        problems.append(("HEALTH_TOKEN", "None or a non-empty string", "<hidden>"))
+    return [
+        Error(f"DJANGO_WORKFLOWS['{name}'] must be {want}, got {got!r}", id="django_workflows.E040")
+        for name, want, got in problems
+    ]
 
 
 #: What :func:`check_session_bounds` looks for in a PostgreSQL database's ``OPTIONS``.

@@ -654,3 +654,24 @@ def test_statement_timeout_bounds_the_reads_and_is_put_back(
     assert not snap.database_ok and snap.database_error == "OperationalError"
     assert time.monotonic() - started < 1.5
     assert show() == before
+
+
+def test_system_check_e040_names_bad_health_settings(settings: Any) -> None:
+    from django_workflows.checks import check_health_settings
+
+    assert check_health_settings() == []
+    settings.DJANGO_WORKFLOWS = {
+        **settings.DJANGO_WORKFLOWS,
+        "HEALTH_MAX_OUTBOX_LAG_SECONDS": "5 minutes",
+        "HEALTH_MAX_DEAD_LETTERS": -1,
+        "HEALTH_DB_TIMEOUT_SECONDS": 0,
+        "HEALTH_TOKEN": "",
+    }
+    messages = check_health_settings()
+    assert {m.id for m in messages} == {"django_workflows.E040"}
+    assert [m.msg.split("'")[1] for m in messages] == [
+        "HEALTH_MAX_OUTBOX_LAG_SECONDS",
+        "HEALTH_MAX_DEAD_LETTERS",
+        "HEALTH_DB_TIMEOUT_SECONDS",
+        "HEALTH_TOKEN",
+    ]
