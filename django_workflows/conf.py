@@ -169,7 +169,7 @@ DEFAULTS: dict[str, Any] = {
     "HEALTH_TOKEN": None,
     # The window (seconds) of the metrics' "runs finished recently per workflow and status"
     # gauge (workflows_runs_finished_window); 0: not computed.
-    "HEALTH_FINISHED_WINDOW_SECONDS": 300.0,
+    "HEALTH_FINISHED_WINDOW_SECONDS": 60.0,
 }
 
 

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import DatabaseError, connection
 from django.db.models import Count, Min, Q
+from django.db.models.functions import Coalesce
 
 from ..conf import workflow_settings
 from ..models import (
@@ -281,103 +282,109 @@ def forget_cached_snapshot() -> None:
 def _read(clock: LeaseClock) -> StateSnapshot:
     now = clock.read()
     runs, oldest_live_age = _runs_by_status(now)
+    leases = _leases()
+    versions = _versions()
     return StateSnapshot(
         taken_at=now,
         database_ok=True,
-        **_jobs_and_workers(now),
+        **_jobs_and_workers(now, leases, versions),
         **_outbox(now),
         schedule_lag_seconds=_schedule_lag(now),
-        **_ticker(now, oldest_live_age),
+        **_ticker(now, oldest_live_age, leases, versions),
         runs_by_status=runs,
         oldest_live_run_age_seconds=oldest_live_age,
         **_finished(now),
     )
 
 
-def _jobs_and_workers(now: datetime) -> dict[str, Any]:
-    # Live jobs only: the status filter is the leading column of several job indexes.
-    ready_q = Q(status=Status.PENDING) & (Q(next_poll_at__isnull=True) | Q(next_poll_at__lte=now))
+def _leases() -> list[tuple[str, str, datetime]]:
+    """``(name, owner, expires_at)`` of every presence and ticker lease (one query on the
+    small named-leases table; expired rows included)."""
+    return list(
+        MaintenanceLease.objects.filter(
+            Q(name__startswith=PRESENCE_PREFIX)
+            | Q(name=TICKER_LEASE)
+            | Q(name__startswith=f"{TICKER_LEASE}@")
+        ).values_list("name", "owner", "expires_at")
+    )
+
+
+def _versions() -> dict[str, tuple[Any, datetime]]:
+    """``{worker_id: (advertised versions, expires_at)}`` (one query, one row per worker
+    process; expired rows are deleted by the next announcement)."""
+    return {
+        worker_id: (listed, expires)
+        for worker_id, listed, expires in WorkflowWorkerVersions.objects.values_list(
+            "worker_id", "versions", "expires_at"
+        )
+    }
+
+
+def _jobs_and_workers(
+    now: datetime,
+    leases: list[tuple[str, str, datetime]],
+    versions: dict[str, tuple[Any, datetime]],
+) -> dict[str, Any]:
+    # Live jobs only: the status filter is the leading column of several job indexes. A
+    # ready job is ready since its back-off ended (next_poll_at), else since it was created.
+    pending = Q(status=Status.PENDING)
+    ready_q = pending & (Q(next_poll_at__isnull=True) | Q(next_poll_at__lte=now))
     rows = (
         WorkflowJob.objects.filter(ready_q | Q(status=Status.RUNNING))
         .order_by()
-        .values_list("queue", "status")
-        .annotate(n=Count("id"))
+        .values_list("queue")
+        .annotate(
+            ready=Count("id", filter=pending),
+            running=Count("id", filter=Q(status=Status.RUNNING)),
+            since=Min(Coalesce("next_poll_at", "created_at"), filter=pending),
+        )
     )
-    counts: dict[str, dict[str, Any]] = {}
-    for queue, status, n in rows:
-        entry = counts.setdefault(queue, {"ready": 0, "running": 0, "since": None})
-        entry["running" if status == Status.RUNNING else "ready"] += n
-    if any(entry["ready"] for entry in counts.values()):
-        for queue, since in _oldest_ready(now).items():
-            if queue in counts:
-                counts[queue]["since"] = since
+    counts = {queue: (ready, running, since) for queue, ready, running, since in rows}
 
-    presence = MaintenanceLease.objects.filter(
-        name__startswith=PRESENCE_PREFIX, expires_at__gt=now
-    ).values_list("name", "owner")
-    versions = {
+    deploys = {
         worker_id: deploy_version(listed)
-        for worker_id, listed in WorkflowWorkerVersions.objects.filter(
-            expires_at__gt=now
-        ).values_list("worker_id", "versions")
+        for worker_id, (listed, expires) in versions.items()
+        if expires > now
     }
     per: dict[tuple[str, str], set[str]] = {}
-    for name, owner in presence:
-        queue = name[len(PRESENCE_PREFIX) :].rsplit(":", 1)[0]
-        per.setdefault((queue, versions.get(owner, "")), set()).add(owner)
+    for name, owner, expires in leases:
+        if name.startswith(PRESENCE_PREFIX) and expires > now:
+            queue = name[len(PRESENCE_PREFIX) :].rsplit(":", 1)[0]
+            per.setdefault((queue, deploys.get(owner, "")), set()).add(owner)
     workers = [WorkerState(q, v, len(ids)) for (q, v), ids in sorted(per.items())]
 
     names = set(counts) | {w.queue for w in workers} | {"default"}
-    queues = [
-        QueueState(
-            queue=q,
-            ready=counts.get(q, {}).get("ready", 0),
-            running=counts.get(q, {}).get("running", 0),
-            oldest_ready_age_seconds=(
-                _seconds(now, counts[q]["since"]) if counts.get(q, {}).get("ready") else None
-            ),
+    queues = []
+    for q in sorted(names):
+        ready, running, since = counts.get(q, (0, 0, None))
+        queues.append(
+            QueueState(
+                queue=q,
+                ready=ready,
+                running=running,
+                oldest_ready_age_seconds=_seconds(now, since) if ready else None,
+            )
         )
-        for q in sorted(names)
-    ]
     return {"queues": queues, "workers": workers}
-
-
-def _oldest_ready(now: datetime) -> dict[str, datetime]:
-    """``{queue: ready since}`` of the oldest ready job per queue: a job is ready since its
-    back-off ended (``next_poll_at``) or, without one, since it was created."""
-    found: dict[str, datetime] = {}
-    plain = (
-        WorkflowJob.objects.filter(status=Status.PENDING, next_poll_at__isnull=True)
-        .order_by()
-        .values_list("queue")
-        .annotate(t=Min("created_at"))
-    )
-    waited = (
-        WorkflowJob.objects.filter(status=Status.PENDING, next_poll_at__lte=now)
-        .order_by()
-        .values_list("queue")
-        .annotate(t=Min("next_poll_at"))
-    )
-    for queue, t in [*plain, *waited]:
-        if t is not None and (queue not in found or t < found[queue]):
-            found[queue] = t
-    return found
 
 
 def _outbox(now: datetime) -> dict[str, Any]:
     undelivered = OutboxEvent.objects.filter(published_at__isnull=True, dlq_at__isnull=True)
-    dead = OutboxEvent.objects.filter(published_at__isnull=True, dlq_at__isnull=False)
-    dead_letters = dead.count()
-    total = undelivered.count()
-    blocked = 0
-    deliverable = undelivered
-    if dead_letters:
-        dead_runs = dead.values("workflow_run_id")
-        blocked = undelivered.filter(workflow_run_id__in=dead_runs).count()
-        deliverable = undelivered.exclude(workflow_run_id__in=dead_runs)
-    oldest = None
-    if total > blocked:
-        oldest = deliverable.aggregate(t=Min("created_at"))["t"]
+    dead_letters = OutboxEvent.objects.filter(
+        published_at__isnull=True, dlq_at__isnull=False
+    ).count()
+    if not dead_letters:  # the common case: two statements
+        found = undelivered.aggregate(n=Count("id"), t=Min("created_at"))
+        total, blocked, oldest = found["n"], 0, found["t"]
+    else:
+        dead_runs = OutboxEvent.objects.filter(
+            published_at__isnull=True, dlq_at__isnull=False
+        ).values("workflow_run_id")
+        behind = Q(workflow_run_id__in=dead_runs)
+        found = undelivered.aggregate(
+            n=Count("id"), blocked=Count("id", filter=behind), t=Min("created_at", filter=~behind)
+        )
+        total, blocked, oldest = found["n"], found["blocked"], found["t"]
     return {
         "outbox_undelivered": total,
         "outbox_lag_seconds": _seconds(now, oldest),
@@ -396,33 +403,35 @@ def _schedule_lag(now: datetime) -> float | None:
     return _seconds(now, first) if first is not None and first <= now else 0.0
 
 
-def _ticker(now: datetime, oldest_live_age: float | None) -> dict[str, Any]:
-    rows = list(
-        MaintenanceLease.objects.filter(
-            Q(name=TICKER_LEASE) | Q(name__startswith=f"{TICKER_LEASE}@")
-        )
-        .order_by("-expires_at")
-        .values_list("name", "owner", "expires_at")
+def _ticker(
+    now: datetime,
+    oldest_live_age: float | None,
+    leases: list[tuple[str, str, datetime]],
+    versions: dict[str, tuple[Any, datetime]],
+) -> dict[str, Any]:
+    rows = sorted(
+        (
+            (name, owner, expires)
+            for name, owner, expires in leases
+            if name == TICKER_LEASE or name.startswith(f"{TICKER_LEASE}@")
+        ),
+        key=lambda row: row[2],
+        reverse=True,
     )
     held = [(name, owner) for name, owner, expires in rows if expires > now]
     holder = held[0][1] if held else None
     live = False
     gone_since: datetime | None = None
     if held:
-        workers = {
-            owner: owner[: -len(TICKER_SUFFIX)] if owner.endswith(TICKER_SUFFIX) else owner
+        workers = [
+            owner[: -len(TICKER_SUFFIX)] if owner.endswith(TICKER_SUFFIX) else owner
             for _, owner in held
-        }
+        ]
         # The unexpired lease says its holder renewed it within its TTL; a holder whose
         # process's advertised versions expired is a stale process all the same.
-        by_id = dict(
-            WorkflowWorkerVersions.objects.filter(worker_id__in=set(workers.values())).values_list(
-                "worker_id", "expires_at"
-            )
-        )
-        live = any(w not in by_id or by_id[w] > now for w in workers.values())
+        live = any(w not in versions or versions[w][1] > now for w in workers)
         if not live:
-            gone_since = max(by_id.values())
+            gone_since = max(versions[w][1] for w in workers)
     elif rows:
         gone_since = rows[0][2]  # the latest lease expired then (a released one is deleted)
     missing: float | None = None

@@ -29,7 +29,7 @@ pytestmark = [
 
 FINISHED = int(os.environ.get("DW_HEALTH_MILLION_RUNS", "1000000"))
 LIVE = 10_000
-#: Runs finished within the metrics window: 3 % of the finished ones (30,000 at 1M: 100/s).
+#: Recently finished runs, 100 a second: 3 % of the finished ones (30,000 over 5 minutes at 1M).
 RECENT = FINISHED * 3 // 100
 #: Generous bounds for a loaded CI machine; the measured numbers are far below (printed).
 MAX_SNAPSHOT_P95_MS = 200.0
@@ -50,11 +50,12 @@ def test_snapshot_and_metrics_at_a_million_runs() -> None:
     assert result["seq_scans"] == [], "\n".join(
         s["plan"] for s in result["statements"] if "Seq Scan" in s["plan"]
     )
-    assert 8 <= len(result["statements"]) <= 15
+    assert len(result["statements"]) == 9  # (plus the clock's SELECT CURRENT_TIMESTAMP)
     assert result["slowest_statement_ms"] < MAX_STATEMENT_MS, result["statements"]
     assert result["snapshot_p95_ms"] < MAX_SNAPSHOT_P95_MS
     snap = result["snapshot"]
-    # populate(): 20 % of the live runs PENDING; 30,000 recent runs in the 300 s window.
+    # populate(): 20 % of the live runs PENDING; the recent runs finished 100 a second, the
+    # newest ones within the 60 s window (fewer as the test's own time passes).
     assert snap["runs_by_status"]["PENDING"] == LIVE // 5
-    assert snap["finished_recently"] == RECENT
+    assert 0 < snap["finished_recently"] <= min(RECENT, 6_000)
     assert snap["dead_letters"] == LIVE // 1000
