@@ -675,3 +675,10 @@ def test_system_check_e040_names_bad_health_settings(settings: Any) -> None:
         "HEALTH_DB_TIMEOUT_SECONDS",
         "HEALTH_TOKEN",
     ]
+
+
+def test_a_staff_session_sees_details_and_metrics(admin_client: Client, settings: Any) -> None:
+    settings.DJANGO_WORKFLOWS = {**settings.DJANGO_WORKFLOWS, "HEALTH_TOKEN": "s3cret"}
+    healthy_cluster()
+    assert "taken_at" in admin_client.get(reverse("workflows-health:ready")).json()
+    assert admin_client.get(reverse("workflows-health:metrics")).status_code == 200
