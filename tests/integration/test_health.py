@@ -682,3 +682,30 @@ def test_a_staff_session_sees_details_and_metrics(admin_client: Client, settings
     healthy_cluster()
     assert "taken_at" in admin_client.get(reverse("workflows-health:ready")).json()
     assert admin_client.get(reverse("workflows-health:metrics")).status_code == 200
+
+
+def test_label_values_are_escaped_and_parse_back() -> None:
+    from django.utils import timezone
+
+    from django_workflows.health.prometheus import render
+    from django_workflows.health.state import QueueState, StateSnapshot
+
+    odd = 'gpu "a"\\b\nc'
+    snap = StateSnapshot(
+        taken_at=timezone.now(),
+        database_ok=True,
+        queues=[QueueState(odd, 3, 1, 2.5)],
+        workers=[],
+        outbox_undelivered=0,
+        outbox_lag_seconds=None,
+        dead_letters=0,
+        schedule_lag_seconds=None,
+        ticker_holder=None,
+        ticker_live=False,
+        runs_by_status={"PENDING": 0, "RUNNING": 0},
+    )
+    text = render(snap, scrape_seconds=0.001)
+    assert 'queue="gpu \\"a\\"\\\\b\\nc"' in text
+    families = parse_exposition(text)
+    assert families["workflows_queue_ready_jobs"]["samples"] == {(("queue", odd),): 3.0}
+    assert families["workflows_queue_oldest_ready_age_seconds"]["samples"][(("queue", odd),)] == 2.5
