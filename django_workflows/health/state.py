@@ -113,7 +113,8 @@ class StateSnapshot:
     Fields:
         taken_at: when it was read (aware datetime, database clock).
         database_ok: the database answered.
-        queues: every queue with a live job or a live worker, plus ``"default"``, by name.
+        queues: every queue with a live job or a live worker, every queue of ``QUEUES`` and
+            ``"default"``, by name.
         workers: live worker processes per (queue, deploy version), by queue then version.
         outbox_undelivered: outbox events neither published nor dead-lettered.
         outbox_lag_seconds: age of the oldest deliverable undelivered event, ``None``: none.
@@ -353,7 +354,8 @@ def _jobs_and_workers(
             per.setdefault((queue, deploys.get(owner, "")), set()).add(owner)
     workers = [WorkerState(q, v, len(ids)) for (q, v), ids in sorted(per.items())]
 
-    names = set(counts) | {w.queue for w in workers} | {"default"}
+    configured = workflow_settings.QUEUES if isinstance(workflow_settings.QUEUES, dict) else {}
+    names = set(counts) | {w.queue for w in workers} | {str(q) for q in configured} | {"default"}
     queues = []
     for q in sorted(names):
         ready, running, since = counts.get(q, (0, 0, None))

@@ -313,7 +313,12 @@ def test_ticker_check_passes_when_supervisor_ticks_are_off(settings: Any) -> Non
 def test_workers_check_fails_for_a_queue_without_a_live_worker(settings: Any) -> None:
     settings.DJANGO_WORKFLOWS = {**settings.DJANGO_WORKFLOWS, "QUEUES": {"gpu": "gpu"}}
     healthy_cluster()
-    report = evaluate(snapshot())
+    snap = snapshot()
+    assert [(q.queue, q.ready, q.oldest_ready_age_seconds) for q in snap.queues] == [
+        ("default", 0, None),
+        ("gpu", 0, None),  # a configured queue is reported with nothing in it
+    ]
+    report = evaluate(snap)
     assert report.failing == ["workers:gpu"]
     assert checks_by_name(report)["workers:gpu"].detail == "no live worker serves queue 'gpu'"
     worker("worker-g", ["gpu"], {"wf": ["1"]})
