@@ -62,6 +62,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .. import telemetry
 from .connections import retry_on_disconnect
 from .heartbeat import Heartbeat, in_flight
 from .stage_path import Delivery, Outcome
@@ -105,11 +106,16 @@ def deliver(
             re-raised after the failed outcome committed (the task must end: django-q2 kills
             the worker process moments later).
     """
-    outcome, services = execute(kernel, delivery)
-    if outcome.stopped is not None:
-        commit_outcome(kernel, delivery, outcome, services, None, stop, queues)
-        raise outcome.stopped
-    return commit_outcome(kernel, delivery, outcome, services, worker_id, stop, queues)
+    with telemetry.delivering(delivery) as seen:  # log fields; spans and metrics if enabled
+        with seen.step("execute"):
+            outcome, services = execute(kernel, delivery)
+        with seen.step("outcome"):
+            if outcome.stopped is not None:
+                commit_outcome(kernel, delivery, outcome, services, None, stop, queues)
+                raise outcome.stopped
+            result = commit_outcome(kernel, delivery, outcome, services, worker_id, stop, queues)
+        seen.ended(result)
+    return result
 
 
 @dataclass

@@ -8,8 +8,9 @@ the transport is asked to claim the run soon.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from ... import telemetry
 from ...models import Status, WorkflowRun
 from .. import events as ev
 from ..annotations import inputs_from_specs
@@ -91,7 +92,29 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
             ) from None
 
     now = kernel.clock.now()
-    run = WorkflowRun.objects.create(
+    with telemetry.creating(workflow.id) as (trace_context, span):
+        run = _insert(kernel, workflow, cmd, config, key, now, trace_context)
+        if span is not None:
+            span.set_attribute("workflow.run_id", str(run.pk))
+    ensure_stored(workflow, now)  # no statement once this process stored the version
+    events = [ev.event(ev.WORKFLOW_CREATED, run.pk, now, workflow_id=workflow.id)]
+    events += write_annotations(run.pk, inputs, now=now)
+    wake_claimer_at_commit(kernel.transport)
+    result = CreateRunResult(str(run.pk), Status.PENDING, CreateRunResult.request_of(cmd))
+    return HandlerOutput(result, events)
+
+
+def _insert(
+    kernel: Kernel,
+    workflow: Any,
+    cmd: CreateRun,
+    config: dict[str, Any],
+    key: str | None,
+    now: Any,
+    trace_context: dict[str, str] | None,
+) -> WorkflowRun:
+    """Insert the PENDING run (its trace context: :mod:`django_workflows.telemetry`)."""
+    return WorkflowRun.objects.create(
         created_at=now,
         updated_at=now,
         workflow_id=workflow.id,
@@ -107,10 +130,5 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
         parent_stage_id=cmd.parent_stage_id,
         parent_generation=cmd.parent_generation,
         concurrency_key=key,
+        trace_context=trace_context,
     )
-    ensure_stored(workflow, now)  # no statement once this process stored the version
-    events = [ev.event(ev.WORKFLOW_CREATED, run.pk, now, workflow_id=workflow.id)]
-    events += write_annotations(run.pk, inputs, now=now)
-    wake_claimer_at_commit(kernel.transport)
-    result = CreateRunResult(str(run.pk), Status.PENDING, CreateRunResult.request_of(cmd))
-    return HandlerOutput(result, events)

@@ -58,6 +58,7 @@ def lease(kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None) 
         django.db.OperationalError: the database stayed unreachable for ``RECONNECT_SECONDS``.
     """
     busy_tries = 0
+    began = time.time_ns()
     while True:
         retried: list[BaseException] = []
         found = retry_on_disconnect(
@@ -78,6 +79,7 @@ def lease(kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None) 
         if found is None:
             return None
         fault_point("lease.after_commit")
+        found.lease_began_ns = began
         return found
 
 
@@ -520,7 +522,9 @@ def lease_job(
             append_events(events, new_causation_id(), kernel.clock.now())
         return delivery, job
 
+    began = time.time_ns()
     found = retry_on_disconnect(one_try, what=f"lease of job {job_id}")
     if found[0] is not None:
         fault_point("lease.after_commit")
+        found[0].lease_began_ns = began
     return found
