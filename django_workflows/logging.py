@@ -73,6 +73,19 @@ def delivery_context(
         _current.reset(token)
 
 
+def job_fields(job: Any, generation: int | None = None) -> dict[str, Any]:
+    """The log fields of a record about ``job`` (a ``WorkflowJob``), for ``extra=`` where no
+    delivery context is set yet (the lease step): ``{"run_id", "stage_id", "delivery",
+    "generation"}``.
+    """
+    return {
+        "run_id": str(job.workflow_run_id),
+        "stage_id": job.stage_id,
+        "delivery": job.attempt,
+        "generation": generation,
+    }
+
+
 def current_fields() -> dict[str, Any]:
     """``{"run_id", "stage_id", "delivery", "generation"}`` of the current delivery context
     (values ``None`` outside one).

@@ -367,3 +367,19 @@ def test_json_lines_of_a_delivery_carry_its_fields(kernel_for: Any) -> None:
     assert datetime.fromisoformat(inside["time"]).tzinfo is not None
     assert "ValueError: shown" in traced["exc_info"] and traced["stage_id"] == "n"
     assert outside["run_id"] is None and outside["delivery"] is None
+
+
+def test_heartbeat_thread_lines_carry_the_fields_of_their_delivery(caplog: Any) -> None:
+    """The heartbeat thread has no delivery context of its own: a beat's lines carry the
+    fields of the delivery that made it."""
+    from django_workflows.kernel.heartbeat import Heartbeat
+    from django_workflows.logging import delivery_context
+
+    with delivery_context("r-1", "s", 2, 1):
+        beat = Heartbeat(kernel=None, job_id=7, interval_seconds=30.0, attempt=2)  # type: ignore[arg-type]
+    beat.watch(1.0, lambda: None)
+    beat.deadline = 0.0
+    caplog.set_level(logging.WARNING, logger="django_workflows")
+    assert beat.check_deadline(1.0) is False  # deadline passed: timed out, in its grace
+    (line,) = [r for r in caplog.records if "passed its timeout" in r.getMessage()]
+    assert (line.run_id, line.stage_id, line.delivery, line.generation) == ("r-1", "s", 2, 1)

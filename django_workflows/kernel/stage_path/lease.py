@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import transaction
 
 from ...definition.workflow import StageNode, Workflow
+from ...logging import job_fields
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import events as ev
 from ..connections import retry_on_disconnect
@@ -379,7 +380,7 @@ def _fail_mismatch(
     message = mismatch_message(job, run, workflow)
     error_type = "WorkflowNotFound" if workflow is None else "DefinitionMismatch"
     kernel.queue.fail(job.pk, message, attempt=job.attempt, max_attempts=job.max_attempts)
-    logger.error(message)
+    logger.error(message, extra=job_fields(job))
     if run is None or run.status != Status.RUNNING:
         return
     now = kernel.clock.now()
@@ -455,6 +456,7 @@ def _adopt_orphan(
         node.stage.id,
         job.pk,
         job.attempt,
+        extra=job_fields(job, record.generation),
     )
     return Delivery(
         job=job,
