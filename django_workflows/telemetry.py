@@ -127,11 +127,11 @@ def _meters() -> dict[str, Any] | None:
     if found is None:
         meter = provider.get_meter(SCOPE)
         found = _instruments[id(provider)] = {
-            "stage_duration": meter.create_histogram(
-                "workflows.stage.duration", unit="s", description="One delivery of a stage"
+            "stage_duration": _histogram(
+                meter, "workflows.stage.duration", "One delivery of a stage", STAGE_BUCKETS
             ),
-            "run_duration": meter.create_histogram(
-                "workflows.run.duration", unit="s", description="A run, from start to its end"
+            "run_duration": _histogram(
+                meter, "workflows.run.duration", "A run, from its start to its end", RUN_BUCKETS
             ),
             "retries": meter.create_counter(
                 "workflows.stage.retries", description="Failed deliveries put back for another"
@@ -147,6 +147,21 @@ def _meters() -> dict[str, Any] | None:
             ),
         }
     return found
+
+
+#: Bucket boundaries (seconds) advised for the duration histograms (the SDK's defaults suit
+#: milliseconds); a view configured by the application overrides them.
+STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+RUN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 86400)
+
+
+def _histogram(meter: Any, name: str, description: str, buckets: tuple[float, ...]) -> Any:
+    try:  # the advisory needs opentelemetry-api >= 1.23
+        return meter.create_histogram(
+            name, unit="s", description=description, explicit_bucket_boundaries_advisory=buckets
+        )
+    except TypeError:  # pragma: no cover - older API
+        return meter.create_histogram(name, unit="s", description=description)
 
 
 def _context_of(carrier: Any) -> Any:
@@ -190,15 +205,15 @@ def creating(workflow_id: str) -> Iterator[Any]:
 class _Untraced:
     """What :func:`delivering` yields without tracing: the steps are plain blocks."""
 
+    def __init__(self, delivery: Delivery) -> None:
+        self._delivery = delivery
+        self._began = time.perf_counter()
+
     def step(self, name: str) -> Any:
         return nullcontext()
 
     def ended(self, result: Outcome) -> None:
-        _record_delivery(self._delivery, result, self._began)  # type: ignore[attr-defined]
-
-    def __init__(self, delivery: Delivery) -> None:
-        self._delivery = delivery
-        self._began = time.perf_counter()
+        _record_delivery(self._delivery, result, self._began)
 
 
 class _Traced(_Untraced):

@@ -110,11 +110,12 @@ def deliver(
         with seen.step("execute"):
             outcome, services = execute(kernel, delivery)
         with seen.step("outcome"):
-            if outcome.stopped is not None:
-                commit_outcome(kernel, delivery, outcome, services, None, stop, queues)
-                raise outcome.stopped
-            result = commit_outcome(kernel, delivery, outcome, services, worker_id, stop, queues)
+            stopped = outcome.stopped  # django-q2's timeout: nothing continues after it
+            reserve_for = worker_id if stopped is None else None
+            result = commit_outcome(kernel, delivery, outcome, services, reserve_for, stop, queues)
         seen.ended(result)
+    if stopped is not None:
+        raise stopped
     return result
 
 
