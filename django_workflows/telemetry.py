@@ -49,6 +49,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+from .conf import workflow_settings
 from .logging import delivery_context
 
 try:  # guarded once: without the extra nothing below touches opentelemetry
@@ -86,15 +90,62 @@ def use_providers(tracer_provider: Any = None, meter_provider: Any = None) -> No
     _meter_provider = meter_provider
     _tracers.clear()
     _instruments.clear()
+    _global.update(tracer=(None, 0.0), meters=(None, 0.0))
+
+
+_enabled: bool | None = None
 
 
 def enabled() -> bool:
-    """``opentelemetry`` is importable and ``DJANGO_WORKFLOWS["TELEMETRY"]`` is true."""
-    if not AVAILABLE:
-        return False
-    from .conf import workflow_settings
+    """``opentelemetry`` is importable and ``DJANGO_WORKFLOWS["TELEMETRY"]`` is true (read
+    once, again after a ``setting_changed`` of ``DJANGO_WORKFLOWS``).
+    """
+    global _enabled
+    if _enabled is None:
+        _enabled = AVAILABLE and bool(workflow_settings.TELEMETRY)
+    return _enabled
 
-    return bool(workflow_settings.TELEMETRY)
+
+@receiver(setting_changed)
+def _reload(*, setting: str, **kwargs: Any) -> None:
+    global _enabled
+    if setting == "DJANGO_WORKFLOWS":
+        _enabled = None
+
+
+#: While no global provider is configured, how long (seconds) that answer is kept before the
+#: API is asked again: the hooks then cost a clock read; a provider set later is used within
+#: this long. A configured global provider is kept for good (the API sets it once).
+RECHECK_SECONDS = 1.0
+_global: dict[str, tuple[Any, float]] = {"tracer": (None, 0.0), "meters": (None, 0.0)}
+
+
+def _configured(kind: str, get_provider: Callable[[], Any], unset: Callable[[Any], bool]) -> Any:
+    """The global provider of ``kind`` once configured, else ``None`` (asked again at most
+    every :data:`RECHECK_SECONDS`).
+    """
+    provider, until = _global[kind]
+    if provider is not None:
+        return provider
+    now = time.monotonic()
+    if now < until:
+        return None
+    provider = get_provider()
+    if unset(provider):
+        _global[kind] = (None, now + RECHECK_SECONDS)
+        return None
+    _global[kind] = (provider, 0.0)
+    return provider
+
+
+def _no_tracer_provider(provider: Any) -> bool:
+    return isinstance(provider, (otel_trace.ProxyTracerProvider, otel_trace.NoOpTracerProvider))
+
+
+def _no_meter_provider(provider: Any) -> bool:
+    return isinstance(provider, otel_metrics.NoOpMeterProvider) or (
+        type(provider).__name__ == "_ProxyMeterProvider"
+    )
 
 
 def tracer() -> Any:
@@ -103,8 +154,10 @@ def tracer() -> Any:
     """
     if not enabled():
         return None
-    provider = _tracer_provider or otel_trace.get_tracer_provider()
-    if isinstance(provider, (otel_trace.ProxyTracerProvider, otel_trace.NoOpTracerProvider)):
+    provider = _tracer_provider or _configured(
+        "tracer", otel_trace.get_tracer_provider, _no_tracer_provider
+    )
+    if provider is None:
         return None
     found = _tracers.get(id(provider))
     if found is None:
@@ -118,35 +171,38 @@ def _meters() -> dict[str, Any] | None:
     """
     if not enabled():
         return None
-    provider = _meter_provider or otel_metrics.get_meter_provider()
-    if isinstance(provider, otel_metrics.NoOpMeterProvider) or type(provider).__name__ == (
-        "_ProxyMeterProvider"
-    ):
+    provider = _meter_provider or _configured(
+        "meters", otel_metrics.get_meter_provider, _no_meter_provider
+    )
+    if provider is None:
         return None
     found = _instruments.get(id(provider))
     if found is None:
-        meter = provider.get_meter(SCOPE)
-        found = _instruments[id(provider)] = {
-            "stage_duration": _histogram(
-                meter, "workflows.stage.duration", "One delivery of a stage", STAGE_BUCKETS
-            ),
-            "run_duration": _histogram(
-                meter, "workflows.run.duration", "A run, from its start to its end", RUN_BUCKETS
-            ),
-            "retries": meter.create_counter(
-                "workflows.stage.retries", description="Failed deliveries put back for another"
-            ),
-            "lease_losses": meter.create_counter(
-                "workflows.lease.losses", description="Outcomes discarded: lease taken over"
-            ),
-            "job_dead_letters": meter.create_counter(
-                "workflows.jobs.dead_letters", description="Jobs given up, deliveries used up"
-            ),
-            "outbox_dead_letters": meter.create_counter(
-                "workflows.outbox.dead_letters", description="Outbox events dead-lettered"
-            ),
-        }
+        found = _instruments[id(provider)] = _create_instruments(provider.get_meter(SCOPE))
     return found
+
+
+def _create_instruments(meter: Any) -> dict[str, Any]:
+    return {
+        "stage_duration": _histogram(
+            meter, "workflows.stage.duration", "One delivery of a stage", STAGE_BUCKETS
+        ),
+        "run_duration": _histogram(
+            meter, "workflows.run.duration", "A run, from its start to its end", RUN_BUCKETS
+        ),
+        "retries": meter.create_counter(
+            "workflows.stage.retries", description="Failed deliveries put back for another"
+        ),
+        "lease_losses": meter.create_counter(
+            "workflows.lease.losses", description="Outcomes discarded: lease taken over"
+        ),
+        "job_dead_letters": meter.create_counter(
+            "workflows.jobs.dead_letters", description="Jobs given up (dead letters)"
+        ),
+        "outbox_dead_letters": meter.create_counter(
+            "workflows.outbox.dead_letters", description="Outbox events dead-lettered"
+        ),
+    }
 
 
 #: Bucket boundaries (seconds) advised for the duration histograms (the SDK's defaults suit
