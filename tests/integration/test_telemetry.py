@@ -383,3 +383,35 @@ def test_heartbeat_thread_lines_carry_the_fields_of_their_delivery(caplog: Any) 
     assert beat.check_deadline(1.0) is False  # deadline passed: timed out, in its grace
     (line,) = [r for r in caplog.records if "passed its timeout" in r.getMessage()]
     assert (line.run_id, line.stage_id, line.delivery, line.generation) == ("r-1", "s", 2, 1)
+
+
+def test_tracing_adds_no_statement_to_the_stage_path(kernel_for: Any, otel: Any) -> None:
+    """The stage spans' parent comes from the run row the lease already reads."""
+    from django.db import connection
+
+    from tests.integration.test_query_counts import STATEMENTS_PER_STAGE, _last_stage_statements
+
+    assert _last_stage_statements(kernel_for, 3) == STATEMENTS_PER_STAGE[connection.vendor]
+    spans, _, _ = otel
+    stage = next(s for s in spans.get_finished_spans() if s.name == "workflow.stage s2")
+    create = next(s for s in spans.get_finished_spans() if s.name == "workflow.create")
+    assert stage.parent.span_id == create.context.span_id
+
+
+def test_a_global_provider_set_later_is_used(monkeypatch: Any) -> None:
+    """Unconfigured, the hooks ask the API at most every RECHECK_SECONDS; once a global
+    provider is configured it is used (and kept)."""
+    from opentelemetry import trace
+
+    telemetry.use_providers(None, None)
+    provider: Any = trace.ProxyTracerProvider()
+    monkeypatch.setattr(telemetry.otel_trace, "get_tracer_provider", lambda: provider)
+    assert telemetry.tracer() is None
+    provider = TracerProvider()
+    assert telemetry.tracer() is None  # the unconfigured answer is kept for a while
+    monkeypatch.setattr(telemetry, "RECHECK_SECONDS", 0.0)
+    telemetry._global["tracer"] = (None, 0.0)
+    assert telemetry.tracer() is not None
+    provider = None
+    assert telemetry.tracer() is not None  # kept for good
+    telemetry.use_providers(None, None)
