@@ -415,3 +415,22 @@ def test_a_global_provider_set_later_is_used(monkeypatch: Any) -> None:
     provider = None
     assert telemetry.tracer() is not None  # kept for good
     telemetry.use_providers(None, None)
+
+
+def test_a_run_that_ends_with_its_last_map_item_records_its_duration(
+    kernel_for: Any, otel: Any
+) -> None:
+    from tests.integration.test_mapping import Numbers, _items, square
+
+    wf = define_workflow(id="mapped", input=Numbers).map(square, over=_items).build()
+    kernel = kernel_for(wf)
+    run_id = kernel.dispatch(CreateRun("mapped", {"numbers": [1, 2, 3]})).workflow_run_id
+    assert run_to_completion(kernel, run_id).status == Status.COMPLETED
+    _, reader, _ = otel
+    points = _points(reader)
+    runs = [p for p in points["workflows.run.duration"] if p.attributes["workflow_id"] == "mapped"]
+    assert [(p.attributes["outcome"], p.count) for p in runs] == [("completed", 1)]
+    items = [
+        p for p in points["workflows.stage.duration"] if p.attributes["workflow_id"] == "mapped"
+    ]
+    assert sum(p.count for p in items) == 3

@@ -299,6 +299,7 @@ def _item_outcome(
                 queues,
             )
     append_events(events, d.causation_id, now)
+    telemetry.runs_ended_at_commit(d.workflow.id, events, run.started_at, now)
     fault_point("outcome.before_commit")
     return Outcome(
         "completed" if error is None else "failed",
