@@ -28,7 +28,7 @@ long as the run).
 * ``workflows.stage.duration`` (histogram, s; ``workflow_id``, ``stage_id``, ``queue``,
   ``outcome``): one delivery's execution and outcome;
 * ``workflows.run.duration`` (histogram, s; ``workflow_id``, ``outcome``): a run that ended
-  (completed/failed) in a stage's outcome, from its start;
+  (completed, failed, cancelled) in a stage's outcome, a give-up or a cancel, from its start;
 * ``workflows.stage.retries`` (counter; ``workflow_id``, ``stage_id``, ``queue``): failed
   deliveries put back for another;
 * ``workflows.lease.losses`` (counter; same): deliveries whose outcome was discarded because
@@ -367,22 +367,22 @@ def run_ended(workflow_id: str, outcome: str, seconds: float | None) -> None:
 def runs_ended_at_commit(
     workflow_id: str, events: list[dict[str, Any]], started_at: Any, now: Any
 ) -> None:
-    """Record :func:`run_ended` for a ``workflow:completed`` / ``workflow:failed`` event in
-    ``events`` (the current transaction's) once it commits; the run started at ``started_at``
-    (a datetime, ``None``: unknown) and ended at ``now``. No statement; nothing without metrics.
+    """Record :func:`run_ended` for a ``workflow:completed`` / ``workflow:failed`` /
+    ``workflow:cancelled`` event in ``events`` (the current transaction's) once it commits;
+    the run started at ``started_at`` (a datetime; ``None``: never started, not recorded) and
+    ended at ``now``. No statement; nothing without metrics.
     """
-    if not events or _meters() is None:
+    if not events or started_at is None or _meters() is None:
         return
-    ended = [
-        e["type"].split(":", 1)[1]
-        for e in events
-        if e.get("type") in ("workflow:completed", "workflow:failed")
-    ]
+    ended = [e["type"].split(":", 1)[1] for e in events if e.get("type") in _RUN_ENDS]
     if ended:
         from django.db import transaction
 
-        seconds = (now - started_at).total_seconds() if started_at is not None else None
+        seconds = (now - started_at).total_seconds()
         transaction.on_commit(lambda: run_ended(workflow_id, ended[-1], seconds))
+
+
+_RUN_ENDS = frozenset({"workflow:completed", "workflow:failed", "workflow:cancelled"})
 
 
 def job_given_up(workflow_id: str, stage_id: str, queue: str, reason: str) -> None:

@@ -132,6 +132,7 @@ def _give_up(kernel: Kernel, job: WorkflowJob, message: str, error_type: str) ->
 
     out = run_transition.handle(kernel, TransitionRun(job.workflow_run_id))
     append_events([*events, *out.events], new_causation_id(), now)
+    telemetry.runs_ended_at_commit(run.workflow_id, out.events, run.started_at, now)
     return True
 
 

@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from django_workflows import StageContext, define_stage, define_workflow, telemetry
 from django_workflows.kernel import (
+    CancelRun,
     ClaimPendingRuns,
     CreateRun,
     FlushOutbox,
@@ -250,6 +251,19 @@ def test_metrics_after_a_retry_a_lease_loss_and_a_dead_letter(
         for p in points["workflows.run.duration"]
     }
     assert runs[("retried", "completed")] == 1 and runs[("paused", "completed")] == 1
+    assert runs[("once", "failed")] == 1  # failed by the give-up of its job
+
+
+def test_a_cancelled_run_records_its_duration_once_started(kernel_for: Any, otel: Any) -> None:
+    _, reader, _ = otel
+    kernel = kernel_for(define_workflow(id="cancelled").pipe(add(1)).build())
+    never_started = kernel.dispatch(CreateRun("cancelled", {"value": 1})).workflow_run_id
+    kernel.dispatch(CancelRun(never_started))
+    started = kernel.dispatch(CreateRun("cancelled", {"value": 1})).workflow_run_id
+    kernel.dispatch(ClaimPendingRuns("claimer"))
+    kernel.dispatch(CancelRun(started))
+    runs = [(p.attributes["outcome"], p.count) for p in _points(reader)["workflows.run.duration"]]
+    assert runs == [("cancelled", 1)]  # the PENDING one never started: no duration
 
 
 @dataclass(frozen=True)
