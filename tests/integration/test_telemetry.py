@@ -448,3 +448,22 @@ def test_a_run_that_ends_with_its_last_map_item_records_its_duration(
         p for p in points["workflows.stage.duration"] if p.attributes["workflow_id"] == "mapped"
     ]
     assert sum(p.count for p in items) == 3
+
+
+def test_every_engine_logger_gets_the_field_filter() -> None:
+    """A new ``getLogger("django_workflows...")`` in the source must be in ENGINE_LOGGERS (so
+    it has the filter even when its module is imported after the app is ready)."""
+    import re
+    from pathlib import Path
+
+    from django_workflows import logging as wf_logging
+
+    source = Path(wf_logging.__file__).parent
+    names = {
+        m.group(1)
+        for path in source.rglob("*.py")
+        for m in re.finditer(r'getLogger\("(django_workflows[\w.]*)"\)', path.read_text())
+    }
+    assert names and names <= set(wf_logging.ENGINE_LOGGERS)
+    for name in wf_logging.ENGINE_LOGGERS:
+        assert any(isinstance(f, wf_logging.ContextFilter) for f in logging.getLogger(name).filters)
