@@ -8,7 +8,7 @@ the transport is asked to claim the run soon.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ... import telemetry
 from ...models import Status, WorkflowRun
@@ -93,7 +93,24 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
 
     now = kernel.clock.now()
     with telemetry.creating(workflow.id) as (trace_context, span):
-        run = _insert(kernel, workflow, cmd, config, key, now, trace_context)
+        run = WorkflowRun.objects.create(
+            created_at=now,
+            updated_at=now,
+            workflow_id=workflow.id,
+            workflow_name=workflow.name,
+            workflow_type=workflow.id,
+            status=Status.PENDING,
+            input=cmd.input,
+            config=config,
+            priority=cmd.priority,
+            metadata=cmd.metadata,
+            definition_version=workflow.version,
+            parent_run_id=cmd.parent_run_id,
+            parent_stage_id=cmd.parent_stage_id,
+            parent_generation=cmd.parent_generation,
+            concurrency_key=key,
+            trace_context=trace_context,
+        )
         if span is not None:
             span.set_attribute("workflow.run_id", str(run.pk))
     ensure_stored(workflow, now)  # no statement once this process stored the version
@@ -102,33 +119,3 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
     wake_claimer_at_commit(kernel.transport)
     result = CreateRunResult(str(run.pk), Status.PENDING, CreateRunResult.request_of(cmd))
     return HandlerOutput(result, events)
-
-
-def _insert(
-    kernel: Kernel,
-    workflow: Any,
-    cmd: CreateRun,
-    config: dict[str, Any],
-    key: str | None,
-    now: Any,
-    trace_context: dict[str, str] | None,
-) -> WorkflowRun:
-    """Insert the PENDING run (its trace context: :mod:`django_workflows.telemetry`)."""
-    return WorkflowRun.objects.create(
-        created_at=now,
-        updated_at=now,
-        workflow_id=workflow.id,
-        workflow_name=workflow.name,
-        workflow_type=workflow.id,
-        status=Status.PENDING,
-        input=cmd.input,
-        config=config,
-        priority=cmd.priority,
-        metadata=cmd.metadata,
-        definition_version=workflow.version,
-        parent_run_id=cmd.parent_run_id,
-        parent_stage_id=cmd.parent_stage_id,
-        parent_generation=cmd.parent_generation,
-        concurrency_key=key,
-        trace_context=trace_context,
-    )
