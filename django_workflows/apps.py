@@ -22,6 +22,9 @@ class DjangoWorkflowsConfig(AppConfig):
 
         from . import checks  # noqa: F401  (registers system checks)
         from .conf import workflow_settings
+        from .logging import install as install_log_fields
+
+        install_log_fields()  # run_id, stage_id, delivery, generation on engine log records
 
         autodiscover_modules(workflow_settings.AUTODISCOVER_MODULE)
         post_migrate.connect(_install_schedule, sender=self)

@@ -20,6 +20,10 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 DEFAULTS: dict[str, Any] = {
+    # Observability (issue 20, docs/howto/observability.md)
+    # OpenTelemetry spans and metrics when opentelemetry-api is installed and a provider is
+    # configured; False turns them off (JSON log fields do not depend on it).
+    "TELEMETRY": True,
     # Jobs (SPEC §7.1, DM-40..49)
     # Delivery attempts per job before it is failed for good (DM-40, Part I item 3).
     "MAX_ATTEMPTS": 3,

@@ -105,6 +105,11 @@ class WorkflowRun(models.Model):
     #: ``max_running_per_key`` runs of the workflow with one key are RUNNING at once. ``None``:
     #: the run is not limited by key.
     concurrency_key = models.CharField(max_length=200, null=True, blank=True)
+    #: The W3C trace context of the span that created the run (issue 20 item 3,
+    #: :mod:`django_workflows.telemetry`): ``{"traceparent": str, "tracestate"?: str}``, or
+    #: ``None`` (tracing off or not configured when the run was created). Stage, signal and
+    #: outbox-delivery spans of the run are its children.
+    trace_context = _json(null=True, blank=True)
 
     class Meta:
         db_table = "workflow_runs"

@@ -62,6 +62,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .. import telemetry
 from .connections import retry_on_disconnect
 from .heartbeat import Heartbeat, in_flight
 from .stage_path import Delivery, Outcome
@@ -105,11 +106,17 @@ def deliver(
             re-raised after the failed outcome committed (the task must end: django-q2 kills
             the worker process moments later).
     """
-    outcome, services = execute(kernel, delivery)
-    if outcome.stopped is not None:
-        commit_outcome(kernel, delivery, outcome, services, None, stop, queues)
-        raise outcome.stopped
-    return commit_outcome(kernel, delivery, outcome, services, worker_id, stop, queues)
+    with telemetry.delivering(delivery) as seen:  # log fields; spans and metrics if enabled
+        with seen.step("execute"):
+            outcome, services = execute(kernel, delivery)
+        with seen.step("outcome"):
+            stopped = outcome.stopped  # django-q2's timeout: nothing continues after it
+            reserve_for = worker_id if stopped is None else None
+            result = commit_outcome(kernel, delivery, outcome, services, reserve_for, stop, queues)
+        seen.ended(result)
+    if stopped is not None:
+        raise stopped
+    return result
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from django.db import connection
 
+from ..logging import current_fields, delivery_context
 from ..models import Status, WorkflowRun
 from . import timeouts
 from .connections import discard_connection, retry_on_disconnect
@@ -60,6 +61,9 @@ class Heartbeat:
         self.overdue = threading.Event()
         self._on_overdue: Callable[[], None] | None = None
         self._beater: _Beater | None = None
+        #: The delivery's log fields (:mod:`django_workflows.logging`): the heartbeat
+        #: thread's records about this delivery carry them too.
+        self.log_fields = current_fields()
 
     def watch(self, timeout_seconds: float, on_overdue: Callable[[], None]) -> Heartbeat:
         """Watch a stage timeout (:mod:`.timeouts`): ``timeout_seconds`` after the block is
@@ -88,6 +92,7 @@ class Heartbeat:
                 self.attempt,
                 self.timeout_seconds,
                 timeouts.grace_seconds(),
+                extra=self.log_fields,
             )
             return False
         self.deadline = None
@@ -196,22 +201,26 @@ class _Beater:
 
     def _send(self, overdue: list[Heartbeat], due: list[Heartbeat]) -> None:
         for b in overdue:
-            try:
-                b.fire_overdue()
-            except Exception:
-                logger.exception("Committing the timeout of job %s failed", b.job_id)
-                discard_connection()
+            with delivery_context(**b.log_fields):
+                try:
+                    b.fire_overdue()
+                except Exception:
+                    logger.exception("Committing the timeout of job %s failed", b.job_id)
+                    discard_connection()
         for b in due:
             if id(b) not in self._beats:
                 continue  # its delivery ended meanwhile
-            try:
-                # A dead connection is discarded and the beat sent again at once on a new
-                # one; if that fails too, the next beat tries again (a lease is several
-                # beats long, so one lost beat does not lose it).
-                retry_on_disconnect(b.beat, what=f"heartbeat of job {b.job_id}", window_seconds=0)
-            except Exception:
-                logger.exception("Heartbeat for job %s failed", b.job_id)
-                discard_connection()
+            with delivery_context(**b.log_fields):
+                try:
+                    # A dead connection is discarded and the beat sent again at once on a new
+                    # one; if that fails too, the next beat tries again (a lease is several
+                    # beats long, so one lost beat does not lose it).
+                    retry_on_disconnect(
+                        b.beat, what=f"heartbeat of job {b.job_id}", window_seconds=0
+                    )
+                except Exception:
+                    logger.exception("Heartbeat for job %s failed", b.job_id)
+                    discard_connection()
 
 
 _beater = _Beater()

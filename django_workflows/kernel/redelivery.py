@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
+from .. import telemetry
+from ..logging import delivery_context
 from ..models import Status, WorkflowJob, WorkflowStage
 from . import events as ev
 from .commands import TransitionRun
@@ -58,12 +60,16 @@ def give_up_job(
     ``run.cancel``). If settling raises, the error is logged and only the job is FAILED, so a
     broken run can never keep a job in the queue; ``run.reapStuck`` then fails the run.
     """
-    try:
-        with transaction.atomic():
-            return _give_up(kernel, job, message, error_type)
-    except Exception:
-        logger.exception("Could not settle exhausted job %s; failing the job only", job.pk)
-        return kernel.queue.settle(job, Status.FAILED, error=message)
+    with delivery_context(job.workflow_run_id, job.stage_id, job.attempt, None):
+        try:
+            with transaction.atomic():
+                settled = _give_up(kernel, job, message, error_type)
+        except Exception:
+            logger.exception("Could not settle exhausted job %s; failing the job only", job.pk)
+            settled = kernel.queue.settle(job, Status.FAILED, error=message)
+        if settled:
+            telemetry.job_given_up(job.workflow_id, job.stage_id, job.queue, error_type)
+        return settled
 
 
 def _give_up(kernel: Kernel, job: WorkflowJob, message: str, error_type: str) -> bool:
@@ -126,6 +132,7 @@ def _give_up(kernel: Kernel, job: WorkflowJob, message: str, error_type: str) ->
 
     out = run_transition.handle(kernel, TransitionRun(job.workflow_run_id))
     append_events([*events, *out.events], new_causation_id(), now)
+    telemetry.runs_ended_at_commit(run.workflow_id, out.events, run.started_at, now)
     return True
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ... import telemetry
 from ...models import Status, WorkflowJob, WorkflowRun
 from ..commands import ExecuteJob, ExecuteJobResult
 from ..errors import (
@@ -63,8 +64,12 @@ def handle(kernel: Kernel, cmd: ExecuteJob) -> ExecuteJobResult:
         delivery, _ = lease_job(kernel, job_id, WORKER_ID)
     if delivery is None:
         return _not_started(kernel, run_id, cmd, job_id)
-    outcome, services = execute(kernel, delivery)
-    done = commit_outcome(kernel, delivery, outcome, services, None)
+    with telemetry.delivering(delivery) as seen:  # log fields; spans and metrics if enabled
+        with seen.step("execute"):
+            outcome, services = execute(kernel, delivery)
+        with seen.step("outcome"):
+            done = commit_outcome(kernel, delivery, outcome, services, None)
+        seen.ended(done)
     if done.result is not None:
         result: ExecuteJobResult = done.result
         return result

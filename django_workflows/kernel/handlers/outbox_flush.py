@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from django.db.models import F
 
+from ... import telemetry
 from ...models import OutboxEvent
 from ..commands import FlushOutbox, FlushOutboxResult
 from ..jsonvalue import storable_text
@@ -56,11 +57,15 @@ def handle(kernel: Kernel, cmd: FlushOutbox) -> FlushOutboxResult:
     max_retries = int(getattr(sink, "max_retries", 3) or 3)
     failed_runs: set[object] = set()
     published: list[int] = []
+    contexts = telemetry.outbox_contexts([row.workflow_run_id for row in rows])
     for row in rows:
         if row.workflow_run_id in failed_runs:
             continue
         try:
-            sink.emit({**row.payload, "sequence": row.sequence, "event_id": row.pk})
+            with telemetry.delivering_event(
+                contexts, row.workflow_run_id, row.event_type, row.sequence
+            ):
+                sink.emit({**row.payload, "sequence": row.sequence, "event_id": row.pk})
         except Exception as exc:
             failed_runs.add(row.workflow_run_id)
             logger.warning("Outbox event %s #%s failed: %s", row.event_type, row.sequence, exc)
@@ -71,6 +76,7 @@ def handle(kernel: Kernel, cmd: FlushOutbox) -> FlushOutboxResult:
             }
             if retries >= max_retries:
                 updates["dlq_at"] = kernel.clock.now()
+                telemetry.event_dead_lettered(row.event_type)
             OutboxEvent.objects.filter(pk=row.pk).update(**updates)
             continue
         published.append(row.pk)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db.models import F
 
+from ... import telemetry
 from ...models import TERMINAL_RUN_STATUSES, Status, WorkflowRun, WorkflowStage
 from .. import events as ev
 from ..children import wake_parent
@@ -69,10 +70,9 @@ def cancel(kernel: Kernel, cmd: CancelRun, *, wake: bool = True) -> HandlerOutpu
     kernel.queue.cancel_by_run(run_id)
     if wake and run.parent_run_id is not None:
         wake_parent(kernel, run, now)
-    return HandlerOutput(
-        CancelRunResult(True),
-        [*child_events, ev.event(ev.WORKFLOW_CANCELLED, run_id, now, reason=reason)],
-    )
+    events = [*child_events, ev.event(ev.WORKFLOW_CANCELLED, run_id, now, reason=reason)]
+    telemetry.runs_ended_at_commit(run.workflow_id, events[-1:], run.started_at, now)
+    return HandlerOutput(CancelRunResult(True), events)
 
 
 def cancel_children(

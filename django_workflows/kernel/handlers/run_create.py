@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ... import telemetry
 from ...models import Status, WorkflowRun
 from .. import events as ev
 from ..annotations import inputs_from_specs
@@ -91,23 +92,27 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
             ) from None
 
     now = kernel.clock.now()
-    run = WorkflowRun.objects.create(
-        created_at=now,
-        updated_at=now,
-        workflow_id=workflow.id,
-        workflow_name=workflow.name,
-        workflow_type=workflow.id,
-        status=Status.PENDING,
-        input=cmd.input,
-        config=config,
-        priority=cmd.priority,
-        metadata=cmd.metadata,
-        definition_version=workflow.version,
-        parent_run_id=cmd.parent_run_id,
-        parent_stage_id=cmd.parent_stage_id,
-        parent_generation=cmd.parent_generation,
-        concurrency_key=key,
-    )
+    with telemetry.creating(workflow.id) as (trace_context, span):
+        run = WorkflowRun.objects.create(
+            created_at=now,
+            updated_at=now,
+            workflow_id=workflow.id,
+            workflow_name=workflow.name,
+            workflow_type=workflow.id,
+            status=Status.PENDING,
+            input=cmd.input,
+            config=config,
+            priority=cmd.priority,
+            metadata=cmd.metadata,
+            definition_version=workflow.version,
+            parent_run_id=cmd.parent_run_id,
+            parent_stage_id=cmd.parent_stage_id,
+            parent_generation=cmd.parent_generation,
+            concurrency_key=key,
+            trace_context=trace_context,
+        )
+        if span is not None:
+            span.set_attribute("workflow.run_id", str(run.pk))
     ensure_stored(workflow, now)  # no statement once this process stored the version
     events = [ev.event(ev.WORKFLOW_CREATED, run.pk, now, workflow_id=workflow.id)]
     events += write_annotations(run.pk, inputs, now=now)

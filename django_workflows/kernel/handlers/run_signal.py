@@ -29,8 +29,15 @@ from typing import TYPE_CHECKING, Any
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import transaction
 
+from ... import telemetry
 from ...definition.signal import SIGNAL_NAME_PATTERN
-from ...models import TERMINAL_RUN_STATUSES, Status, WorkflowSignal, WorkflowStage
+from ...models import (
+    TERMINAL_RUN_STATUSES,
+    Status,
+    WorkflowRun,
+    WorkflowSignal,
+    WorkflowStage,
+)
 from .. import events as ev
 from ..commands import SendSignal, SendSignalResult
 from ..errors import InvalidCommandError, RunNotFoundError, RunTerminalError
@@ -81,6 +88,12 @@ def handle(kernel: Kernel, cmd: SendSignal) -> HandlerOutput:
     run = lock_run(run_id)
     if run is None:
         raise RunNotFoundError(run_id)
+    with telemetry.signal_span(run, cmd.name):  # in the run's trace, linked to the sender
+        return _store(kernel, cmd, run)
+
+
+def _store(kernel: Kernel, cmd: SendSignal, run: WorkflowRun) -> HandlerOutput:
+    run_id = run.pk
     if cmd.key is not None:
         earlier = (
             WorkflowSignal.objects.filter(run_id=run_id, idempotency_key=cmd.key)

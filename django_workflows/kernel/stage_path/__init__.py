@@ -14,6 +14,7 @@ This package holds what they share: :class:`Delivery` (the token and what step 2
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -44,6 +45,12 @@ class Delivery:
     #: The delivery's one causation id: its ``stage:started`` and its outcome's events carry
     #: it (SPEC K-5, K-JE-2).
     causation_id: str = field(default_factory=new_causation_id)
+    #: When the lease's statements were done (``time.time_ns()``, set as the delivery is
+    #: made), and when the lease transaction began (set by :func:`.lease.lease` and
+    #: :func:`.lease.lease_job`; ``None`` for a lease folded into an outcome's commit): the
+    #: ``workflow.lease`` span of :mod:`django_workflows.telemetry`.
+    leased_ns: int = field(default_factory=time.time_ns)
+    lease_began_ns: int | None = None
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import transaction
 
 from ...definition.workflow import StageNode, Workflow
+from ...logging import job_fields
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import events as ev
 from ..connections import retry_on_disconnect
@@ -58,6 +59,7 @@ def lease(kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None) 
         django.db.OperationalError: the database stayed unreachable for ``RECONNECT_SECONDS``.
     """
     busy_tries = 0
+    began = time.time_ns()
     while True:
         retried: list[BaseException] = []
         found = retry_on_disconnect(
@@ -78,6 +80,7 @@ def lease(kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None) 
         if found is None:
             return None
         fault_point("lease.after_commit")
+        found.lease_began_ns = began
         return found
 
 
@@ -377,7 +380,7 @@ def _fail_mismatch(
     message = mismatch_message(job, run, workflow)
     error_type = "WorkflowNotFound" if workflow is None else "DefinitionMismatch"
     kernel.queue.fail(job.pk, message, attempt=job.attempt, max_attempts=job.max_attempts)
-    logger.error(message)
+    logger.error(message, extra=job_fields(job))
     if run is None or run.status != Status.RUNNING:
         return
     now = kernel.clock.now()
@@ -453,6 +456,7 @@ def _adopt_orphan(
         node.stage.id,
         job.pk,
         job.attempt,
+        extra=job_fields(job, record.generation),
     )
     return Delivery(
         job=job,
@@ -520,7 +524,9 @@ def lease_job(
             append_events(events, new_causation_id(), kernel.clock.now())
         return delivery, job
 
+    began = time.time_ns()
     found = retry_on_disconnect(one_try, what=f"lease of job {job_id}")
     if found[0] is not None:
         fault_point("lease.after_commit")
+        found[0].lease_began_ns = began
     return found

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
+from ... import telemetry
 from ...definition.stage import Stage
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import timeouts
@@ -76,6 +77,7 @@ def commit_outcome(
                 )
                 return committed
         retry_on_disconnect(lambda: _log_discarded(kernel, d, outcome), what="discard log")
+        telemetry.lease_lost(d)
         return Outcome("discarded", error=outcome.error)
 
 
@@ -149,6 +151,7 @@ def _stage_transaction(
         else:
             following = _transition(kernel, d, run, stage_result, events, now, reserve_for, queues)
         append_events(events, d.causation_id, now)
+        telemetry.runs_ended_at_commit(d.workflow.id, events, run.started_at, now)
         # Not continuing its own run, the worker leases its next delivery in this same
         # commit (issue 19: one transaction fewer per lease; runs locked without waiting).
         looked = following is None and reserve_for is not None
@@ -296,6 +299,7 @@ def _item_outcome(
                 queues,
             )
     append_events(events, d.causation_id, now)
+    telemetry.runs_ended_at_commit(d.workflow.id, events, run.started_at, now)
     fault_point("outcome.before_commit")
     return Outcome(
         "completed" if error is None else "failed",
