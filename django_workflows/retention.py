@@ -337,7 +337,12 @@ def _delete_batch(
     ids: list[Any], rule: Rule, now: datetime, report: PruneReport, blobs: Any = None
 ) -> list[tuple[Any, str]]:
     """Lock, re-check and delete one batch of candidate runs; returns the deleted
-    ``(id, workflow_id)`` pairs."""
+    ``(id, workflow_id)`` pairs.
+
+    ``blobs``: the kernel's blob store; if it has ``delete_run_blobs(runs)`` (``runs``: a list
+    of ``(run id, workflow_type)``; keys live under ``workflow-v2/{workflow_type}/{run id}/``,
+    :func:`.blobs.stage_prefix`), it is called after the batch committed.
+    """
     with transaction.atomic():
         locked = _lock(ids, rule, now)
         report.skipped_locked += len(ids) - len(locked)
@@ -349,20 +354,24 @@ def _delete_batch(
         rows = list(
             prunable(rule.runs(now).filter(pk__in=locked))
             .order_by()
-            .values_list("pk", "workflow_id")
+            .values_list("pk", "workflow_id", "workflow_type")
         )
         if not rows:
             return []
-        keep = [pk for pk, _ in rows]
-        if blobs is not None and hasattr(blobs, "delete_run_blobs"):
-            blobs.delete_run_blobs(keep)  # a blob store that keeps content elsewhere
+        keep = [pk for pk, _, _ in rows]
         for label, model, column in DEPENDENTS:
             n = _raw_delete(model.objects.filter(**{f"{column}__in": keep}))
             report.rows[label] = report.rows.get(label, 0) + n
         n = _raw_delete(WorkflowRun.objects.filter(pk__in=keep))
         report.rows["runs"] = report.rows.get("runs", 0) + n
     report.batches += 1
-    return rows
+    hook = getattr(blobs, "delete_run_blobs", None)
+    if hook is not None:
+        # A blob store that keeps content outside the database (its own rows, if any, went
+        # with the batch): told after the commit, so a rolled-back batch loses no content;
+        # a crash in between leaves unreferenced content behind, never a run without it.
+        hook([(pk, workflow_type) for pk, _, workflow_type in rows])
+    return [(pk, wf) for pk, wf, _ in rows]
 
 
 def _count_by(qs: QuerySet[WorkflowRun]) -> dict[str, int]:

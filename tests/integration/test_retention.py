@@ -513,3 +513,18 @@ def test_duty_idle_without_policy(kernel: Kernel, clock: FakeClock) -> None:
     assert WorkflowRun.objects.count() == 1
     duty.stop()
     assert duty.run(1.0) == 60.0
+
+
+def test_an_external_blob_store_is_told_after_the_commit(kernel: Kernel, clock: FakeClock) -> None:
+    told: list[Any] = []
+
+    class External:
+        def delete_run_blobs(self, runs: list[tuple[Any, str]]) -> None:
+            # called after the batch committed: the run rows are gone already
+            assert not WorkflowRun.objects.filter(pk__in=[r for r, _ in runs]).exists()
+            told.extend(runs)
+
+    kernel.blobs = External()  # type: ignore[assignment]
+    run_id = make_run(clock.now(), workflow_id="etl")
+    assert prune(kernel=kernel, pol=parse_policy(POLICY)).runs_total == 1
+    assert told == [(run_id, "etl")]

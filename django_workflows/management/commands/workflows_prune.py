@@ -27,7 +27,6 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_workflows.conf import workflow_settings
 from django_workflows.retention import (
     PruneReport,
     RetentionPolicyError,
@@ -140,14 +139,11 @@ def _text(report: PruneReport) -> str:
         rows = ", ".join(f"{k} {v}" for k, v in sorted(report.rows.items()) if v)
         lines.append(f"rows deleted: {rows or 'none'} in {report.batches} batches")
     lines.append(
-        f"django-q2 task rows {verb}: {report.django_q_tasks}; "
-        f"idempotency keys {verb}: {report.idempotency_keys}"
+        f"django-q2 task rows: {report.django_q_tasks}, idempotency keys: "
+        f"{report.idempotency_keys} {'would be deleted' if report.dry_run else 'deleted'}"
     )
     if not report.complete:
         lines.append("stopped before the end (--max-runs or a stop); run again to go on")
     if not report.dry_run and report.seconds > 0:
-        lines.append(
-            f"{report.seconds:.2f} s, {report.runs_total / report.seconds:,.0f} runs/s "
-            f"(batch size {workflow_settings.RETENTION_BATCH_SIZE} unless --batch-size)"
-        )
+        lines.append(f"{report.seconds:.2f} s, {report.runs_total / report.seconds:,.0f} runs/s")
     return "\n".join(lines)
