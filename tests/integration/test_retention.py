@@ -528,3 +528,58 @@ def test_an_external_blob_store_is_told_after_the_commit(kernel: Kernel, clock: 
     run_id = make_run(clock.now(), workflow_id="etl")
     assert prune(kernel=kernel, pol=parse_policy(POLICY)).runs_total == 1
     assert told == [(run_id, "etl")]
+
+
+class _Tty(StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_command_progress_on_a_terminal(retention: Any) -> None:
+    from django.utils import timezone
+
+    now = timezone.now()
+    for _ in range(3):
+        make_run(now)
+    retention(POLICY)
+    err = _Tty()
+    call_command("workflows_prune", "--batch-size", "2", stdout=StringIO(), stderr=err)
+    assert "\rpruned 2/3 runs (66%)" in err.getvalue()
+    assert "\rpruned 3/3 runs (100%)" in err.getvalue()
+    quiet = _Tty()
+    make_run(now)
+    call_command("workflows_prune", "--no-progress", stdout=StringIO(), stderr=quiet)
+    assert quiet.getvalue() == ""
+
+
+def test_command_interrupted_exits_3(retention: Any, monkeypatch: Any) -> None:
+    from django.utils import timezone
+
+    from django_workflows.management.commands import workflows_prune as command
+    from django_workflows.retention import PruneReport
+
+    run_id = make_run(timezone.now())
+    retention(POLICY)
+
+    def interrupted(**kwargs: Any) -> PruneReport:  # a SIGINT arrives during the first batch
+        kwargs["stop"].set()
+        return prune(**{**kwargs, "stop": kwargs["stop"]})
+
+    monkeypatch.setattr(command, "prune", interrupted)
+    out, err = StringIO(), StringIO()
+    with pytest.raises(SystemExit) as exc:
+        call_command("workflows_prune", "--json", stdout=out, stderr=err)
+    assert exc.value.code == 3
+    assert json.loads(out.getvalue())["complete"] is False
+    assert "run workflows_prune again" in err.getvalue()
+    assert rows_of(run_id) == FULL  # stopped before its batch
+
+
+def test_every_worker_process_supervisor_has_the_duty() -> None:
+    from django_workflows.transport import django_q
+
+    supervisor = django_q.ensure_supervisor()
+    try:
+        assert [d for d in supervisor.duties if isinstance(d, RetentionDuty)]
+    finally:
+        supervisor.halt()
