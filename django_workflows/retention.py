@@ -559,21 +559,31 @@ class RetentionDuty:
     ``MAX_SLEEP_SECONDS``, no query) while ``RETENTION`` is ``None`` or
     ``SUPERVISOR_TICKS`` is false.
 
+    A cycle runs in a thread of its own (``background``, the default), so a batch never
+    delays the ticker duty that shares the supervisor thread; the duty starts no new cycle
+    while one is running.
+
     Args:
         kernel: a callable returning the kernel (read lazily: settings may change).
         owner: this process's lease owner name.
+        background: run each cycle in a new thread (``False``: in the caller's, tests).
     """
 
     name = "retention"
 
-    def __init__(self, kernel: Callable[[], Kernel], owner: str) -> None:
+    def __init__(
+        self, kernel: Callable[[], Kernel], owner: str, *, background: bool = True
+    ) -> None:
         self._kernel = kernel
         self.owner = owner
+        self.background = background
         self.stopped = False
         self._due = 0.0
         self.cycles = 0
         self.pruned = 0
         self.last: PruneReport | None = None
+        self._thread: threading.Thread | None = None
+        self._more = False
 
     def poke(self) -> None:
         self._due = 0.0
@@ -581,36 +591,68 @@ class RetentionDuty:
     def stop(self) -> None:
         self.stopped = True
 
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for a cycle running in the background (tests, a stopping process)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
     def run(self, now: float) -> float:
-        from .kernel import leases
         from .kernel.supervisor import MAX_SLEEP_SECONDS
 
         if self.stopped or not workflow_settings.SUPERVISOR_TICKS:
             return MAX_SLEEP_SECONDS
         if workflow_settings.RETENTION is None:
             return MAX_SLEEP_SECONDS
+        if self._thread is not None:
+            if self._thread.is_alive():
+                return 1.0
+            self._thread = None
+            if self._more:  # the cycle found a full batch: more is waiting
+                self._due = min(
+                    self._due, now + float(workflow_settings.SUPERVISOR_INTERVAL_SECONDS)
+                )
         if now < self._due:
             return self._due - now
         interval = float(workflow_settings.RETENTION_INTERVAL_SECONDS)
         self._due = now + interval
         if settings_error() is not None:
             return interval  # reported by system check E033
-        kernel = self._kernel()
-        ttl = leases.ticker_lease_seconds()
-        if not leases.acquire_lease(kernel.lease_clock, RETENTION_LEASE, self.owner, ttl):
-            return interval
-        try:
-            with leases.LeaseKeeper(
-                kernel, RETENTION_LEASE, self.owner, ttl, leases.lease_heartbeat_seconds(ttl)
-            ):
-                report = prune(kernel=kernel, max_batches=1)
-        finally:
-            leases.release_lease(RETENTION_LEASE, self.owner)
-        self.cycles += 1
-        self.pruned += report.runs_total
-        self.last = report
-        if report.runs_total:
-            logger.info("Retention pruned %d runs", report.runs_total)
-        if not report.complete:  # a full batch: more is waiting
+        if self.background:
+            self._thread = threading.Thread(target=self._cycle, name="retention", daemon=True)
+            self._thread.start()
+            return 1.0
+        self._cycle()
+        if self._more:
             self._due = now + float(workflow_settings.SUPERVISOR_INTERVAL_SECONDS)
         return max(0.0, self._due - now)
+
+    def _cycle(self) -> None:
+        """One cycle: take the lease, prune one batch, give the lease up."""
+        from .kernel import leases
+
+        self._more = False
+        try:
+            kernel = self._kernel()
+            ttl = leases.ticker_lease_seconds()
+            if not leases.acquire_lease(kernel.lease_clock, RETENTION_LEASE, self.owner, ttl):
+                return
+            try:
+                with leases.LeaseKeeper(
+                    kernel, RETENTION_LEASE, self.owner, ttl, leases.lease_heartbeat_seconds(ttl)
+                ):
+                    report = prune(kernel=kernel, max_batches=1)
+            finally:
+                leases.release_lease(RETENTION_LEASE, self.owner)
+            self.cycles += 1
+            self.pruned += report.runs_total
+            self.last = report
+            self._more = not report.complete
+            if report.runs_total:
+                logger.info("Retention pruned %d runs", report.runs_total)
+        except Exception:
+            if not self.background:
+                raise
+            logger.exception("Retention cycle failed; retrying at the next interval")
+        finally:
+            if self.background:
+                connection.close()  # this thread's own connection

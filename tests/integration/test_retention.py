@@ -488,7 +488,7 @@ def test_duty_prunes_one_batch_per_cycle_under_its_lease(
         RETENTION_INTERVAL_SECONDS=3600,
         SUPERVISOR_INTERVAL_SECONDS=3,
     )
-    duty = RetentionDuty(lambda: kernel, "me")
+    duty = RetentionDuty(lambda: kernel, "me", background=False)
     # Another process holds the lease: nothing is pruned, look again after the interval.
     MaintenanceLease.objects.create(
         name=RETENTION_LEASE, owner="other", expires_at=now + timedelta(hours=1)
@@ -508,7 +508,7 @@ def test_duty_prunes_one_batch_per_cycle_under_its_lease(
 
 def test_duty_idle_without_policy(kernel: Kernel, clock: FakeClock) -> None:
     make_run(clock.now())
-    duty = RetentionDuty(lambda: kernel, "me")
+    duty = RetentionDuty(lambda: kernel, "me", background=False)
     assert duty.run(0.0) == 60.0
     assert WorkflowRun.objects.count() == 1
     duty.stop()
@@ -583,3 +583,19 @@ def test_every_worker_process_supervisor_has_the_duty() -> None:
         assert [d for d in supervisor.duties if isinstance(d, RetentionDuty)]
     finally:
         supervisor.halt()
+
+
+def test_duty_cycles_in_its_own_thread(kernel: Kernel, clock: FakeClock, retention: Any) -> None:
+    now = clock.now()
+    for i in range(3):
+        make_run(now, days_ago=40 + i)
+    retention(POLICY, RETENTION_BATCH_SIZE=2, SUPERVISOR_INTERVAL_SECONDS=3)
+    duty = RetentionDuty(lambda: kernel, "me")
+    assert duty.run(0.0) == 1.0  # started; the supervisor thread is free at once
+    duty.join(30)
+    assert WorkflowRun.objects.count() == 1 and duty.pruned == 2
+    assert duty.run(1.0) == 3.0  # a full batch: due again in SUPERVISOR_INTERVAL_SECONDS
+    assert duty.run(4.0) == 1.0  # the next cycle started
+    duty.join(30)
+    assert WorkflowRun.objects.count() == 0
+    assert duty.run(5.0) == 3599.0  # the backlog is gone: the interval
