@@ -139,7 +139,11 @@ class Pruner:
         }
 
 
-def run(finished: int, runs: int, rounds: int, batch_size: int) -> dict[str, Any]:
+def run(
+    finished: int, runs: int, rounds: int, batch_size: int, database: str | None = None
+) -> dict[str, Any]:
+    """The measurement; ``database``: a database seeded by an earlier, interrupted run
+    (``dw_bench_prune_*``, kept afterwards) instead of a fresh one."""
     dbs = Databases()
     out: dict[str, Any] = {
         "finished": finished,
@@ -150,16 +154,25 @@ def run(finished: int, runs: int, rounds: int, batch_size: int) -> dict[str, Any
         "cpus": os.cpu_count(),
     }
     try:
-        url = dbs.postgres("prune")
+        url = database or dbs.postgres("prune")
         var_dir = dbs.workdir("prune")
         env = project_env(url, var_dir)
         prune_env = {**env, "WORKFLOWS_RETENTION": json.dumps(POLICY)}
         migrate(env)
-        _log(f"seeding {finished:,} finished runs")
-        t0 = time.perf_counter()
-        out["seed"] = seed(env, finished)
-        out["seed_seconds"] = round(time.perf_counter() - t0, 1)
-        _log(f"seeded in {out['seed_seconds']} s: {out['seed']['rows']}")
+        if database:
+            out["finished"] = count_runs(env)
+            out["seed"] = {
+                "reused": url.rsplit("/", 1)[1],
+                "rows": {"workflow_runs": out["finished"]},
+            }
+            out["seed_seconds"] = None
+            _log(f"reusing {url}: {out['finished']:,} runs")
+        else:
+            _log(f"seeding {finished:,} finished runs")
+            t0 = time.perf_counter()
+            out["seed"] = seed(env, finished)
+            out["seed_seconds"] = round(time.perf_counter() - t0, 1)
+            _log(f"seeded in {out['seed_seconds']} s: {out['seed']['rows']}")
         with running_cluster(env, var_dir) as cluster:
             workload(cluster.driver_env(), min(runs, 50))  # warm-up
             for r in range(rounds):
@@ -238,8 +251,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         "(a machine shared with other sessions: see the load averages). "
         f"Workload: {result['runs_per_workload']} `bench-4` runs per phase; prune: "
         f"`workflows_prune --batch-size {result['batch_size']}` in its own process, every "
-        f"terminal run older than 1 hour. Seeding took {result['seed_seconds']} s "
-        f"({result['seed']['rows']}).",
+        f"terminal run older than 1 hour. Seeding: {result['seed_seconds']} s "
+        f"({result['seed']}).",
         "",
         f"- stages/s alone (median): **{s['stages_per_s_alone']}**; with the prune beside it: "
         f"**{s['stages_per_s_with_prune']}**; ratio **{s['stages_per_s_ratio']}**",
@@ -270,9 +283,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds (3)")
     parser.add_argument("--batch-size", type=int, default=500, help="prune batch size (500)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    parser.add_argument(
+        "--database",
+        default=None,
+        help="URL of a dw_bench_prune_* database seeded by an interrupted run: reused, kept",
+    )
     args = parser.parse_args(argv)
-    result = run(args.finished, args.runs, args.rounds, args.batch_size)
-    suffix = "" if args.finished == 1_000_000 else f"-{args.finished}"
+    result = run(args.finished, args.runs, args.rounds, args.batch_size, args.database)
+    suffix = "" if args.finished == 1_000_000 and not args.database else f"-{args.finished}"
+    if args.database:
+        suffix = "-reused"
     stem = f"{datetime.now(UTC).date().isoformat()}-prune{suffix}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")

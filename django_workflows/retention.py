@@ -48,7 +48,6 @@ from django.db.models import Exists, OuterRef, Q, QuerySet
 
 from .conf import workflow_settings
 from .models import (
-    TERMINAL_RUN_STATUSES,
     IdempotencyKey,
     OutboxEvent,
     WorkflowAnnotation,
@@ -249,13 +248,15 @@ def _undelivered() -> Exists:
     )
 
 
+#: The run statuses that are not terminal. Named (``status IN (...)``), not negated: the live
+#: runs are then read from ``wf_run_status_idx`` instead of a scan of every finished run.
+LIVE_RUN_STATUSES: tuple[str, ...] = ("PENDING", "RUNNING", "SUSPENDED")
+
+
 def _family_exists() -> Q:
-    child = WorkflowRun.objects.filter(parent_run_id=OuterRef("pk")).exclude(
-        status__in=list(TERMINAL_RUN_STATUSES)
-    )
-    parent = WorkflowRun.objects.filter(pk=OuterRef("parent_run_id")).exclude(
-        status__in=list(TERMINAL_RUN_STATUSES)
-    )
+    """A live child of the run, or a live parent."""
+    child = WorkflowRun.objects.filter(parent_run_id=OuterRef("pk"), status__in=LIVE_RUN_STATUSES)
+    parent = WorkflowRun.objects.filter(pk=OuterRef("parent_run_id"), status__in=LIVE_RUN_STATUSES)
     return Q(Exists(child)) | Q(Exists(parent))
 
 
