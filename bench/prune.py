@@ -97,7 +97,7 @@ def count_runs(env: dict[str, str]) -> int:
 class Pruner:
     """``manage.py workflows_prune --json`` in a subprocess, stopped with SIGINT."""
 
-    def __init__(self, env: dict[str, str], batch_size: int) -> None:
+    def __init__(self, env: dict[str, str], batch_size: int, pause: float = 0.0) -> None:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -107,6 +107,8 @@ class Pruner:
                 "--no-progress",
                 "--batch-size",
                 str(batch_size),
+                "--pause",
+                str(pause),
             ],
             cwd=ROOT,
             env=env,
@@ -140,7 +142,12 @@ class Pruner:
 
 
 def run(
-    finished: int, runs: int, rounds: int, batch_size: int, database: str | None = None
+    finished: int,
+    runs: int,
+    rounds: int,
+    batch_size: int,
+    database: str | None = None,
+    pause: float = 0.0,
 ) -> dict[str, Any]:
     """The measurement; ``database``: a database seeded by an earlier, interrupted run
     (``dw_bench_prune_*``, kept afterwards) instead of a fresh one."""
@@ -150,6 +157,7 @@ def run(
         "runs_per_workload": runs,
         "rounds": [],
         "batch_size": batch_size,
+        "pause_seconds": pause,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "cpus": os.cpu_count(),
     }
@@ -179,7 +187,7 @@ def run(
                 alone = workload(cluster.driver_env(), runs)
                 alone["loadavg_1m"] = round(os.getloadavg()[0], 2)
                 before = count_runs(env)
-                pruner = Pruner(prune_env, batch_size)
+                pruner = Pruner(prune_env, batch_size, pause)
                 time.sleep(1.0)  # the prune is deleting before the workload starts
                 during = workload(cluster.driver_env(), runs)
                 during["loadavg_1m"] = round(os.getloadavg()[0], 2)
@@ -250,7 +258,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{result['date']}, PostgreSQL, a real 2-worker qcluster, {result['cpus']} CPUs "
         "(a machine shared with other sessions: see the load averages). "
         f"Workload: {result['runs_per_workload']} `bench-4` runs per phase; prune: "
-        f"`workflows_prune --batch-size {result['batch_size']}` in its own process, every "
+        f"`workflows_prune --batch-size {result['batch_size']} --pause "
+        f"{result.get('pause_seconds', 0)}` in its own process, every "
         f"terminal run older than 1 hour. Seeding: {result['seed_seconds']} s "
         f"({result['seed']}).",
         "",
@@ -283,16 +292,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds (3)")
     parser.add_argument("--batch-size", type=int, default=500, help="prune batch size (500)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    parser.add_argument("--pause", type=float, default=0.0, help="prune --pause (0)")
     parser.add_argument(
         "--database",
         default=None,
         help="URL of a dw_bench_prune_* database seeded by an interrupted run: reused, kept",
     )
     args = parser.parse_args(argv)
-    result = run(args.finished, args.runs, args.rounds, args.batch_size, args.database)
+    result = run(args.finished, args.runs, args.rounds, args.batch_size, args.database, args.pause)
     suffix = "" if args.finished == 1_000_000 and not args.database else f"-{args.finished}"
     if args.database:
         suffix = "-reused"
+    if args.pause:
+        suffix += f"-pause{args.pause:g}"
     stem = f"{datetime.now(UTC).date().isoformat()}-prune{suffix}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")

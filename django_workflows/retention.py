@@ -436,6 +436,7 @@ def prune(
     max_batches: int | None = None,
     stop: threading.Event | None = None,
     progress: Callable[[PruneReport], None] | None = None,
+    pause_seconds: float = 0.0,
     now: datetime | None = None,
     include_side_tables: bool = True,
 ) -> PruneReport:
@@ -454,6 +455,8 @@ def prune(
         max_batches: stop after this many run batches (the supervisor's bounded cycle).
         stop: checked between batches; once set, the prune returns (``complete`` false).
         progress: called after each batch with the report so far.
+        pause_seconds: wait this long after each run batch (a gentler prune beside busy
+            workers; ``stop`` ends the wait at once).
         now: the moment ages are measured from (default: the kernel's clock).
         include_side_tables: also prune django-q2 task rows and idempotency keys by age.
 
@@ -513,6 +516,11 @@ def prune(
                 progress(report)
             if len(page) < size:
                 break
+            if pause_seconds > 0:
+                if stop is not None:
+                    stop.wait(pause_seconds)
+                else:
+                    time.sleep(pause_seconds)
         if not report.complete:
             break
     if not dry_run and report.complete:

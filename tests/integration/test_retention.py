@@ -346,6 +346,7 @@ def test_batches_max_runs_stop_and_resume(kernel: Kernel, clock: FakeClock) -> N
     pol = parse_policy(POLICY)
     seen: list[int] = []
     first = prune(
+        pause_seconds=0.01,
         kernel=kernel,
         pol=pol,
         batch_size=2,
@@ -471,6 +472,8 @@ def test_command_errors(retention: Any) -> None:
     retention(POLICY)
     with pytest.raises(CommandError, match="--batch-size: must be >= 1"):
         call_command("workflows_prune", "--batch-size", "0")
+    with pytest.raises(CommandError, match="--pause: must be >= 0 seconds"):
+        call_command("workflows_prune", "--pause", "-1")
 
 
 # --- the supervisor's duty -------------------------------------------------------------------

@@ -8,6 +8,7 @@ The policy is ``DJANGO_WORKFLOWS["RETENTION"]`` (:mod:`django_workflows.retentio
 * ``--batch-size N`` - runs per transaction (default ``RETENTION_BATCH_SIZE``).
 * ``--workflow ID`` - only this workflow's runs.
 * ``--max-runs N`` - stop after about N runs (whole batches).
+* ``--pause SECONDS`` - wait after each batch (default 0: as fast as the database allows).
 * ``--json`` - print one JSON document (:meth:`PruneReport.to_dict`) instead of text.
 * ``--no-progress`` - no progress line on stderr (shown by default when stderr is a TTY).
 
@@ -51,6 +52,12 @@ class Command(BaseCommand):
         parser.add_argument("--batch-size", type=int, default=None, help="runs per transaction")
         parser.add_argument("--workflow", default=None, help="only this workflow id")
         parser.add_argument("--max-runs", type=int, default=None, help="stop after ~N runs")
+        parser.add_argument(
+            "--pause",
+            type=float,
+            default=0.0,
+            help="seconds to wait after each batch (a gentler prune beside busy workers)",
+        )
         parser.add_argument("--json", action="store_true", help="print one JSON document")
         parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
@@ -59,6 +66,8 @@ class Command(BaseCommand):
             value = options[name]
             if value is not None and value < 1:
                 raise CommandError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+        if not options["pause"] >= 0:  # (also NaN)
+            raise CommandError(f"--pause: must be >= 0 seconds, got {options['pause']}")
         try:
             pol = policy()
         except RetentionPolicyError as exc:
@@ -87,6 +96,7 @@ class Command(BaseCommand):
                 max_runs=options["max_runs"],
                 stop=stop,
                 progress=bar.update if show else None,
+                pause_seconds=options["pause"],
                 now=now,
             )
         if show:
