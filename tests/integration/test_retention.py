@@ -602,3 +602,13 @@ def test_duty_cycles_in_its_own_thread(kernel: Kernel, clock: FakeClock, retenti
     duty.join(30)
     assert WorkflowRun.objects.count() == 0
     assert duty.run(5.0) == 3599.0  # the backlog is gone: the interval
+
+
+def test_live_statuses_are_every_run_status_but_the_terminal_ones() -> None:
+    """The family check names the live statuses (an index scan); a new run status must be
+    added there, or a run whose relative has it could be pruned."""
+    from django_workflows.models import TERMINAL_RUN_STATUSES, Status
+    from django_workflows.retention import LIVE_RUN_STATUSES
+
+    stage_or_job_only = {Status.SKIPPED, Status.HELD}
+    assert set(Status.values) - TERMINAL_RUN_STATUSES - stage_or_job_only == set(LIVE_RUN_STATUSES)
