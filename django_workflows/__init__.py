@@ -92,6 +92,7 @@ _LAZY = {
     "stage_constant_name": "django_workflows.definition.stage_ids",
     # Public exceptions (docs/reference/errors.md), loaded lazily like the kernel.
     "WorkflowError": "django_workflows.kernel.errors",
+    "RetentionPolicyError": "django_workflows.retention",
     "UnknownCommandError": "django_workflows.kernel.errors",
     "WorkflowNotFoundError": "django_workflows.kernel.errors",
     "RunNotFoundError": "django_workflows.kernel.errors",
@@ -157,6 +158,7 @@ __all__ = [
     "OutboxEventStateError",
     "ParallelInput",
     "QueueTimeout",
+    "RetentionPolicyError",
     "RetryPolicy",
     "Revision",
     "RunNotFoundError",

@@ -109,6 +109,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     messages += check_routing()
     messages += check_queue_limits()
     messages += check_wakeups()
+    messages += check_retention()
     messages += check_stage_timeouts()
     messages += check_health_settings()
     for alias, db in settings.DATABASES.items():
@@ -226,6 +227,24 @@ def check_queue_limits() -> list[Any]:
             f"DJANGO_WORKFLOWS['QUEUE_LIMITS'] {problem}",
             hint='e.g. "QUEUE_LIMITS": {"gpu": 2} (at most 2 RUNNING jobs of queue "gpu")',
             id="django_workflows.E030",
+        )
+    ]
+
+
+def check_retention() -> list[Any]:
+    """``RETENTION``, ``RETENTION_BATCH_SIZE``, ``RETENTION_INTERVAL_SECONDS`` (issue 20):
+    E033 naming the bad field."""
+    from .retention import settings_error
+
+    problem = settings_error()
+    if problem is None:
+        return []
+    return [
+        Error(
+            f"DJANGO_WORKFLOWS: {problem}",
+            hint='e.g. "RETENTION": {"DEFAULT_DAYS": {"COMPLETED": 30, "FAILED": 90}} '
+            "(see docs/howto/retention.md)",
+            id="django_workflows.E033",
         )
     ]
 

@@ -132,6 +132,20 @@ DEFAULTS: dict[str, Any] = {
     # Dotted path of a zero-argument callable returning the kernel's Clock (None: the system
     # clock). Leases never depend on it: they are stamped and judged with the database's clock.
     "CLOCK": None,
+    # Retention (issue 20, docs/howto/retention.md; django_workflows/retention.py): None keeps
+    # every run forever (deleting is opt-in). A dict {"DEFAULT_DAYS": {status: days},
+    # "WORKFLOW_DAYS": {workflow_id: {status: days}}, "DJANGO_Q_TASK_DAYS": days,
+    # "IDEMPOTENCY_KEY_DAYS": days}: a COMPLETED/FAILED/CANCELLED run is deleted (with its
+    # stages, jobs, logs, annotations, signals, events and blobs) that many days after its
+    # completed_at; None or a status not named: kept forever. Checked by system check E033.
+    "RETENTION": None,
+    # How often (seconds) the worker processes' supervisor prunes on RETENTION (one process of
+    # all hosts at a time, under the "retention" maintenance lease; one batch per cycle, again
+    # after SUPERVISOR_INTERVAL_SECONDS while a full batch was found).
+    "RETENTION_INTERVAL_SECONDS": 3600.0,
+    # Runs deleted per transaction by workflows_prune and the supervisor (each batch locks
+    # only its own run rows, with SKIP LOCKED on PostgreSQL).
+    "RETENTION_BATCH_SIZE": 500,
     # HTTP API (django_workflows.api, mounted with include("django_workflows.api.urls")).
     # Dotted paths of DRF authentication classes; None: REST_FRAMEWORK's
     # DEFAULT_AUTHENTICATION_CLASSES (DRF's default is session + basic authentication).

@@ -128,6 +128,11 @@ class WorkflowRun(models.Model):
             ),
             # A parent's children (cancel cascade, run page, ``?parent=``), newest first.
             models.Index(fields=["parent_run_id", "created_at"], name="wf_run_parent_idx"),
+            # Retention (issue 20): the aged-out runs of one status, oldest first, a batch at
+            # a time (keyset on completed_at, id).
+            models.Index(
+                fields=["status", "completed_at", "id"], name="wf_run_status_completed_idx"
+            ),
             # The per-key limit's count of RUNNING runs of one key (issue 18 item 6).
             models.Index(
                 fields=["workflow_id", "concurrency_key", "status"], name="wf_run_concurrency_idx"

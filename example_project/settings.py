@@ -8,6 +8,7 @@ unless ``Q_BROKER=redis`` (``REDIS_URL``); ``WORKFLOWS_QUEUES="gpu=gpu"`` routes
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -237,6 +238,13 @@ DJANGO_WORKFLOWS = {
     "PLUGINS": [p for p in os.environ.get("WORKFLOWS_PLUGINS", "").split(",") if p],
     # Stage routing: queue -> django-q2 cluster (WORKFLOWS_QUEUES="gpu=gpu").
     "QUEUES": _queues(),
+    # Retention policy as JSON (docs/howto/retention.md), e.g.
+    # WORKFLOWS_RETENTION='{"DEFAULT_DAYS": {"COMPLETED": 30}}'; unset: keep every run.
+    "RETENTION": json.loads(os.environ["WORKFLOWS_RETENTION"])
+    if os.environ.get("WORKFLOWS_RETENTION")
+    else None,
+    "RETENTION_BATCH_SIZE": int(os.environ.get("WORKFLOWS_RETENTION_BATCH_SIZE", "500")),
+    "RETENTION_INTERVAL_SECONDS": float(os.environ.get("WORKFLOWS_RETENTION_INTERVAL", "3600")),
 }
 
 REST_FRAMEWORK = {

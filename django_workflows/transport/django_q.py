@@ -67,6 +67,7 @@ from ..kernel.supervisor import (
 from ..kernel.supervisor import (
     ticker_lease_seconds as ticker_lease_seconds,
 )
+from ..retention import RetentionDuty
 
 logger = logging.getLogger("django_workflows.worker")
 
@@ -415,6 +416,7 @@ def ensure_supervisor(cluster_stop: Any = None) -> Supervisor:
             supervisor = Supervisor()
             supervisor.add(TickerDuty(get_kernel, worker_id() + "-ticker"))
             supervisor.add(PresenceDuty())
+            supervisor.add(RetentionDuty(get_kernel, worker_id() + "-retention"))
             supervisor.add(StopDuty(get_kernel, _stop, lambda: list(supervisor.duties)))
             _supervisor, _supervisor_pid = supervisor, pid
         return _supervisor.start()
