@@ -127,6 +127,20 @@ class WorkflowRun(models.Model):
             models.Index(
                 fields=["workflow_id", "concurrency_key", "status"], name="wf_run_concurrency_idx"
             ),
+            # The admin dashboard (issue 20 item 5): runs finished in a time window, counted
+            # per workflow and status from the index alone (PostgreSQL: an index-only scan;
+            # elsewhere INCLUDE is dropped and the rows are read) ...
+            models.Index(
+                fields=["completed_at"],
+                include=["workflow_id", "status"],
+                name="wf_run_completed_idx",
+            ),
+            # ... and the FAILED ones of the window (a partial index: failed runs only).
+            models.Index(
+                fields=["completed_at"],
+                condition=models.Q(status="FAILED"),
+                name="wf_run_failed_completed_idx",
+            ),
         ]
         # Operator permissions shared by the HTTP API and the admin.
         permissions = [
@@ -142,6 +156,19 @@ class WorkflowRun(models.Model):
     @property
     def is_terminal(self) -> bool:
         return self.status in TERMINAL_RUN_STATUSES
+
+
+class Dashboard(WorkflowRun):
+    """The admin dashboard (issue 20 item 5, :mod:`django_workflows.admin.dashboard`): a proxy
+    of :class:`WorkflowRun` with no table of its own, so the dashboard has an entry in the
+    admin's app list and a URL (``/admin/django_workflows/dashboard/``). Viewing it needs the
+    view permission of runs."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "dashboard"
+        verbose_name_plural = "dashboard"
+        default_permissions = ()
 
 
 class WorkflowStage(models.Model):
