@@ -174,6 +174,7 @@ class StageStats:
     p99: float
     max: float
     url: str = ""
+    svg: Any = ""
 
     @property
     def p50_text(self) -> str:
@@ -202,6 +203,13 @@ class FailingStage:
     failed: int
     share: float
     url: str = ""
+    svg: Any = ""
+
+    @property
+    def share_text(self) -> str:
+        """``4.2 %`` (one decimal below 10 %)."""
+        pct = self.share * 100
+        return f"{pct:.1f} %" if pct < 10 else f"{pct:.0f} %"
 
 
 @dataclass
@@ -444,7 +452,18 @@ def build_dashboard(window_key: str, workflow: str | None, now: datetime | None 
     stats, sampled, exact = stage_durations(window, workflow, finished)
     per_workflow = {s.workflow_id: s.total for s in series}
     failing = failing_stages(window, workflow, per_workflow)
+    most = max((f.failed for f in failing), default=0)
     for item in failing:
+        item.svg = format_html(
+            '<svg class="dw-range" role="img" viewBox="0 0 160 14" width="160" height="14">'
+            "<title>{} / {}: {} failed runs, {} of its runs</title>"
+            '<rect x="0" y="3" width="{}" height="8" fill="#dc3545"/></svg>',
+            item.workflow_id,
+            item.stage_id or "(no stage)",
+            item.failed,
+            item.share_text,
+            round(max(160 * item.failed / most, 1), 1),
+        )
         params = {"workflow_id": item.workflow_id, "status": Status.FAILED, "finished": window.key}
         if item.stage_id:
             params["failed_stage"] = item.stage_id
@@ -452,6 +471,11 @@ def build_dashboard(window_key: str, workflow: str | None, now: datetime | None 
     for row in stats:
         row.url = run_list_url(workflow_id=row.workflow_id, finished=window.key)
     slowest = sorted(stats, key=lambda s: (-s.p95, -s.max, s.workflow_id, s.stage_id))
+    if stats:
+        low = min(s.p50 for s in stats) / 2
+        high = max(s.max for s in stats)
+        for row in stats:
+            row.svg = duration_svg(row, low, high)
     return DashboardData(
         window=window,
         workflow=workflow,
@@ -493,11 +517,14 @@ def _nice_max(value: int) -> int:
     return value
 
 
-def throughput_svg(series: Series, window: Window, *, chart_id: str, height: int = 140) -> Any:
+def throughput_svg(
+    series: Series, window: Window, *, chart_id: str, width: int = 480, height: int = 150
+) -> Any:
     """A stacked bar chart of ``series`` (COMPLETED at the bottom, then FAILED, CANCELLED): an
     ``<svg role="img">`` with a ``<title>`` naming the chart and one ``<title>`` per bar
-    segment (``"14:00-15:00: 120 COMPLETED"``). Width scales with the page (``viewBox``)."""
-    width, left, bottom, top = 720, 44, 22, 8
+    segment (``"14:00 to 15:00: 120 COMPLETED"``). ``width`` x ``height`` is the ``viewBox``:
+    the chart scales to its box, text with it."""
+    left, bottom, top = 34, 18, 8
     plot_w, plot_h = width - left - 6, height - bottom - top
     sums = [sum(series.counts[s][i] for s in FINISHED) for i in range(window.buckets)]
     y_max = _nice_max(max(sums, default=0))
@@ -507,12 +534,10 @@ def throughput_svg(series: Series, window: Window, *, chart_id: str, height: int
     parts: list[SafeString] = [
         format_html(
             '<svg class="dw-chart" id="{}" role="img" aria-labelledby="{}-title" '
-            'viewBox="0 0 {} {}" preserveAspectRatio="none" width="100%" height="{}">'
-            '<title id="{}-title">{}</title>',
+            'viewBox="0 0 {} {}" width="100%"><title id="{}-title">{}</title>',
             chart_id,
             chart_id,
             width,
-            height,
             height,
             chart_id,
             title,
@@ -533,7 +558,7 @@ def throughput_svg(series: Series, window: Window, *, chart_id: str, height: int
                 int(y_max * frac),
             )
         )
-    every = max(1, math.ceil(window.buckets / 8))
+    every = max(1, math.ceil(window.buckets / (width // 80)))
     for i, start in enumerate(window.starts):
         x = left + i * slot + (slot - bar_w) / 2
         y = top + plot_h
@@ -566,7 +591,7 @@ def throughput_svg(series: Series, window: Window, *, chart_id: str, height: int
                 format_html(
                     '<text x="{}" y="{}" class="dw-axis" text-anchor="middle">{}</text>',
                     f"{left + i * slot + slot / 2:.1f}",
-                    height - 6,
+                    height - 5,
                     label_from,
                 )
             )
@@ -583,7 +608,7 @@ def queue_svg(queues: list[QueueRow], *, chart_id: str = "dw-queue-chart") -> An
         ("delayed", "#b7791f"),
         ("suspended", "#adb5bd"),
     )
-    row_h, left, width = 24, 140, 720
+    row_h, left, width = 24, 140, 960
     height = row_h * max(len(queues), 1) + 8
     top = max((sum(getattr(q, k) for k, _ in kinds) for q in queues), default=0)
     x_max = _nice_max(top)
@@ -591,11 +616,10 @@ def queue_svg(queues: list[QueueRow], *, chart_id: str = "dw-queue-chart") -> An
     parts = [
         format_html(
             '<svg class="dw-chart" id="{}" role="img" aria-labelledby="{}-title" '
-            'viewBox="0 0 {} {}" width="100%" height="{}"><title id="{}-title">{}</title>',
+            'viewBox="0 0 {} {}" width="100%"><title id="{}-title">{}</title>',
             chart_id,
             chart_id,
             width,
-            height,
             height,
             chart_id,
             "Jobs per queue now: ready, running, delayed, suspended",
@@ -640,6 +664,41 @@ def queue_svg(queues: list[QueueRow], *, chart_id: str = "dw-queue-chart") -> An
         )
     parts.append(mark_safe("</svg>"))
     return mark_safe("".join(parts))
+
+
+def duration_svg(stat: StageStats, low: float, high: float) -> Any:
+    """One row's durations on a log scale from ``low`` to ``high`` ms (shared by the table):
+    a bar from 0 to p50, a lighter one from p50 to p95, a thin one to p99, a tick at max."""
+    width, height = 240, 14
+    lo, hi = math.log10(max(low, 1.0)), math.log10(max(high, low * 10, 10.0))
+
+    def x(ms: float) -> float:
+        value = (math.log10(max(ms, 1.0)) - lo) / (hi - lo)
+        return round(min(max(value, 0.0), 1.0) * (width - 2) + 1, 1)
+
+    text = (
+        f"{stat.workflow_id} / {stat.stage_id}: p50 {stat.p50_text}, p95 {stat.p95_text}, "
+        f"p99 {stat.p99_text}, max {stat.max_text} ({stat.count} records)"
+    )
+    return format_html(
+        '<svg class="dw-range" role="img" viewBox="0 0 {} {}" width="{}" height="{}">'
+        "<title>{}</title>"
+        '<rect x="1" y="3" width="{}" height="8" fill="#0d6efd"/>'
+        '<rect x="{}" y="3" width="{}" height="8" fill="#6ea8fe"/>'
+        '<rect x="{}" y="6" width="{}" height="2" fill="#9ec5fe"/>'
+        '<rect x="{}" y="1" width="1.5" height="12" fill="#6c757d"/></svg>',
+        width,
+        height,
+        width,
+        height,
+        text,
+        max(x(stat.p50) - 1, 1),
+        x(stat.p50),
+        max(x(stat.p95) - x(stat.p50), 0.5),
+        x(stat.p95),
+        max(x(stat.p99) - x(stat.p95), 0.5),
+        min(x(stat.max), width - 1.5),
+    )
 
 
 def legend(items: list[tuple[str, str]]) -> Any:
@@ -739,7 +798,9 @@ class DashboardAdmin(admin.ModelAdmin):
         charts = [
             (
                 data.total,
-                throughput_svg(data.total, data.window, chart_id="dw-chart-total", height=180),
+                throughput_svg(
+                    data.total, data.window, chart_id="dw-chart-total", width=960, height=200
+                ),
             )
         ]
         if not workflow:
