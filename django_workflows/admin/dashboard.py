@@ -775,15 +775,22 @@ class DashboardAdmin(admin.ModelAdmin):
         return False
 
     def get_urls(self) -> list[Any]:
+        from django.shortcuts import redirect
         from django.urls import path
 
-        info = (self.opts.app_label, self.opts.model_name)
+        prefix = f"{self.opts.app_label}_{self.opts.model_name}"
+
+        def to_run(view: str) -> Any:
+            # The proxy's objects are runs: its change / history URLs show the run's pages.
+            def redirect_view(request: HttpRequest, object_id: str) -> HttpResponse:
+                return redirect(f"admin:django_workflows_workflowrun_{view}", object_id)
+
+            return self.admin_site.admin_view(redirect_view)
+
         return [
-            path(
-                "",
-                self.admin_site.admin_view(self.changelist_view),
-                name=f"{info[0]}_{info[1]}_changelist",
-            )
+            path("", self.admin_site.admin_view(self.changelist_view), name=f"{prefix}_changelist"),
+            path("<path:object_id>/history/", to_run("history"), name=f"{prefix}_history"),
+            path("<path:object_id>/change/", to_run("change"), name=f"{prefix}_change"),
         ]
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
