@@ -179,7 +179,7 @@ def test_dashboard_in_chromium(live_server: Any, world: None, page: Any, tmp_pat
     assert page.locator("#dw-percentile-table tbody tr").count() == 8
     box = total.bounding_box()
     assert box and box["width"] > 600 and box["height"] >= 150
-    page.screenshot(path=str(shots / "dashboard.png"), full_page=True)
+    page.screenshot(path=str(shots / "dashboard_24h.png"), full_page=True)
     page.locator("#dw-throughput").screenshot(path=str(shots / "dashboard_throughput.png"))
 
     # a week, then one workflow
@@ -187,7 +187,6 @@ def test_dashboard_in_chromium(live_server: Any, world: None, page: Any, tmp_pat
     page.wait_for_url("**window=7d**")
     assert page.locator(".dw-window.dw-current").inner_text() == "7d"
     assert page.locator("svg#dw-chart-total rect.dw-bar-completed").count() == 28
-    page.locator("#dw-queues").scroll_into_view_if_needed()
     page.screenshot(path=str(shots / "dashboard_7d.png"), full_page=True)
     page.select_option("#dw-workflow", "doc-pipeline")
     page.click("#dw-controls input[type=submit]")
