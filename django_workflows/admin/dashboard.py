@@ -67,7 +67,13 @@ WINDOWS: dict[str, tuple[timedelta, int, str]] = {
 }
 DEFAULT_WINDOW = "24h"
 #: Runs whose stages the duration percentiles read at most (spread over the buckets).
-SAMPLE_RUNS = 3000
+SAMPLE_RUNS = 1000
+#: How long the admin page reuses the counts of a window's closed buckets and its duration
+#: percentiles (seconds, Django's default cache); the bucket in progress is always counted
+#: live. Runs deleted, pruned or rerun show in closed buckets within this time.
+CLOSED_CACHE_SECONDS = 300
+#: (workflow, failed stage) groups read per statement at most.
+MAX_FAILED_GROUPS = 1000
 #: Rows of the slowest / most failing stage tables.
 TOP_STAGES = 10
 #: Workflows drawn as their own throughput chart (the busiest; the rest are in the totals).
@@ -242,14 +248,21 @@ def _epoch_sql(column: str) -> str:
     return f"UNIX_TIMESTAMP({column})"  # MySQL / MariaDB
 
 
-def throughput(window: Window, workflow: str | None) -> tuple[list[Series], Series]:
-    """Finished runs per workflow, status and bucket (one ``GROUP BY`` statement); the series
-    ordered by total runs (most first), and the sum over all workflows."""
+def _bucket_rows(
+    window: Window, workflow: str | None, lo: datetime, hi: datetime
+) -> list[tuple[str, str, int, int]]:
+    """``(workflow_id, status, bucket index, runs)`` of the runs finished in ``[lo, hi)`` (one
+    ``GROUP BY``; on PostgreSQL an index-only scan of ``wf_run_completed_idx``)."""
     table = WorkflowRun._meta.db_table
-    start_epoch = int(window.start.timestamp())
-    bucket = f"FLOOR(({_epoch_sql('completed_at')} - %s) / %s)"
+    if connection.vendor == "postgresql":
+        # date_part of an interval: float8 seconds since the window's start, exact to the us
+        bucket = "FLOOR(date_part('epoch', completed_at - %s) / %s)"
+        params: list[Any] = [window.start, window.step]
+    else:
+        bucket = f"FLOOR(({_epoch_sql('completed_at')} - %s) / %s)"
+        params = [int(window.start.timestamp()), window.step]
     where = "completed_at >= %s AND completed_at < %s"
-    params: list[Any] = [start_epoch, window.step, window.start, window.end]
+    params += [lo, hi]
     if workflow:
         where += " AND workflow_id = %s"
         params.append(workflow)
@@ -257,18 +270,53 @@ def throughput(window: Window, workflow: str | None) -> tuple[list[Series], Seri
         f"SELECT workflow_id, status, {bucket} AS b, COUNT(*) FROM {table} "
         f"WHERE {where} GROUP BY workflow_id, status, b"
     )
-    per: dict[str, dict[str, list[int]]] = {}
-    total: dict[str, list[int]] = {s: [0] * window.buckets for s in FINISHED}
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        rows = cursor.fetchall()
-    for wf, status, b, n in rows:
-        index = int(b)
+        return [(wf, st, int(b), int(n)) for wf, st, b, n in cursor.fetchall()]
+
+
+def _closed(key: str, compute: Any, cached: bool) -> Any:
+    """``compute()``, or its value cached for :data:`CLOSED_CACHE_SECONDS` under ``key`` when
+    ``cached`` (the default cache)."""
+    if not cached:
+        return compute()
+    from django.core.cache import cache
+
+    full = f"django_workflows:dashboard:{key}"
+    value = cache.get(full)
+    if value is None:
+        value = compute()
+        cache.set(full, value, CLOSED_CACHE_SECONDS)
+    return value
+
+
+def _key(window: Window, workflow: str | None, what: str) -> str:
+    import hashlib
+
+    wf = hashlib.sha1((workflow or "").encode()).hexdigest()[:16]
+    return f"{what}:{window.key}:{int(window.start.timestamp())}:{wf}"
+
+
+def throughput(
+    window: Window, workflow: str | None, *, cached: bool = False
+) -> tuple[list[Series], Series]:
+    """Finished runs per workflow, status and bucket; the series ordered by total runs (most
+    first), and the sum over all workflows. Two ``GROUP BY`` statements: the closed buckets
+    (cached when ``cached``, see :data:`CLOSED_CACHE_SECONDS`) and the bucket in progress."""
+    open_start = window.starts[-1]
+    rows = _closed(
+        _key(window, workflow, "throughput"),
+        lambda: _bucket_rows(window, workflow, window.start, open_start),
+        cached,
+    ) + _bucket_rows(window, workflow, open_start, window.end)
+    per: dict[str, dict[str, list[int]]] = {}
+    total: dict[str, list[int]] = {s: [0] * window.buckets for s in FINISHED}
+    for wf, status, index, n in rows:
         if status not in total or not 0 <= index < window.buckets:
             continue
         counts = per.setdefault(wf, {s: [0] * window.buckets for s in FINISHED})
-        counts[status][index] += int(n)
-        total[status][index] += int(n)
+        counts[status][index] += n
+        total[status][index] += n
     series = [Series(wf, counts) for wf, counts in per.items()]
     series.sort(key=lambda s: (-s.total, s.workflow_id))
     return series, Series("all workflows", total)
@@ -405,33 +453,44 @@ def stage_durations(
     return out, sampled, exact
 
 
-def failing_stages(
-    window: Window, workflow: str | None, finished_per_workflow: dict[str, int]
-) -> list[FailingStage]:
-    """FAILED runs of the window per workflow and failed stage, most first (ties by workflow,
-    stage), at most :data:`TOP_STAGES`."""
-    qs = WorkflowRun.objects.filter(
-        status=Status.FAILED, completed_at__gte=window.start, completed_at__lt=window.end
-    )
+def _failed_groups(workflow: str | None, lo: datetime, hi: datetime) -> list[tuple[str, str, int]]:
+    """``(workflow_id, failed stage or "", runs)`` of the FAILED runs finished in ``[lo, hi)``
+    (the partial index ``wf_run_failed_completed_idx``), at most :data:`MAX_FAILED_GROUPS`."""
+    qs = WorkflowRun.objects.filter(status=Status.FAILED, completed_at__gte=lo, completed_at__lt=hi)
     if workflow:
         qs = qs.filter(workflow_id=workflow)
     rows = (
         qs.annotate(failed_stage=KeyTextTransform("stage_id", "error"))
         .values("workflow_id", "failed_stage")
         .annotate(n=Count("id"))
-        .order_by("-n", "workflow_id", F("failed_stage").asc(nulls_first=True))[:TOP_STAGES]
+        .order_by("-n", "workflow_id", F("failed_stage").asc(nulls_first=True))[:MAX_FAILED_GROUPS]
     )
+    return [(r["workflow_id"], r["failed_stage"] or "", int(r["n"])) for r in rows]
+
+
+def failing_stages(
+    window: Window,
+    workflow: str | None,
+    finished_per_workflow: dict[str, int],
+    *,
+    cached: bool = False,
+) -> list[FailingStage]:
+    """FAILED runs of the window per workflow and failed stage, most first (ties by workflow,
+    stage), at most :data:`TOP_STAGES`; the closed buckets cached when ``cached``."""
+    open_start = window.starts[-1]
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    closed = _closed(
+        _key(window, workflow, "failing"),
+        lambda: _failed_groups(workflow, window.start, open_start),
+        cached,
+    )
+    for wf, stage_id, n in closed + _failed_groups(workflow, open_start, window.end):
+        counts[(wf, stage_id)] += n
+    ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0][0], kv[0][1]))
     out = []
-    for row in rows:
-        total = finished_per_workflow.get(row["workflow_id"], 0)
-        out.append(
-            FailingStage(
-                row["workflow_id"],
-                row["failed_stage"] or "",
-                row["n"],
-                row["n"] / total if total else 0.0,
-            )
-        )
+    for (wf, stage_id), n in ordered[:TOP_STAGES]:
+        total = finished_per_workflow.get(wf, 0)
+        out.append(FailingStage(wf, stage_id, n, n / total if total else 0.0))
     return out
 
 
@@ -441,17 +500,28 @@ def run_list_url(**params: str) -> str:
     return f"{base}?{urlencode(params)}" if params else base
 
 
-def build_dashboard(window_key: str, workflow: str | None, now: datetime | None = None) -> Any:
+def build_dashboard(
+    window_key: str, workflow: str | None, now: datetime | None = None, *, cached: bool = False
+) -> Any:
     """The data of the page for ``window_key`` (a key of :data:`WINDOWS`) and ``workflow``
-    (``None``: all workflows); ``now`` defaults to the current time. Five statements."""
+    (``None``: all workflows); ``now`` defaults to the current time. Eight statements at most:
+    throughput and failures (closed buckets, bucket in progress), the queues (two), the
+    duration sample. ``cached`` (the admin page): the closed buckets' counts and the duration
+    percentiles come from the default cache when computed less than
+    :data:`CLOSED_CACHE_SECONDS` ago (the bucket in progress and the queues are always read);
+    ``False`` (default): everything is read now."""
     now = now or timezone.now()
     window = make_window(window_key, now)
-    series, total = throughput(window, workflow)
+    series, total = throughput(window, workflow, cached=cached)
     queues, pending, capped = queue_depth(now)
     finished = [sum(total.counts[s][i] for s in FINISHED) for i in range(window.buckets)]
-    stats, sampled, exact = stage_durations(window, workflow, finished)
+    stats, sampled, exact = _closed(
+        _key(window, workflow, "durations"),
+        lambda: stage_durations(window, workflow, finished),
+        cached,
+    )
     per_workflow = {s.workflow_id: s.total for s in series}
-    failing = failing_stages(window, workflow, per_workflow)
+    failing = failing_stages(window, workflow, per_workflow, cached=cached)
     most = max((f.failed for f in failing), default=0)
     for item in failing:
         item.svg = format_html(
@@ -805,7 +875,7 @@ class DashboardAdmin(admin.ModelAdmin):
         if not self.has_view_permission(request):
             raise PermissionDenied
         window_key, workflow, errors = parse_params(request)
-        data = build_dashboard(window_key, workflow)
+        data = build_dashboard(window_key, workflow, cached=True)
         data.errors = errors
         charts = [
             (

@@ -125,7 +125,10 @@ def k_offset(wf: str) -> int:
 
 @pytest.fixture
 def world(django_user_model: Any) -> Iterator[None]:
+    from django.core.cache import cache
+
     os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"  # Playwright's event loop in this thread
+    cache.clear()  # the dashboard caches closed buckets
     _seed()
     django_user_model.objects.create_superuser("admin", "admin@example.com", "s3cret-pw")
     yield

@@ -26,6 +26,14 @@ pytestmark = pytest.mark.django_db
 URL = "admin:django_workflows_dashboard_changelist"
 
 
+@pytest.fixture(autouse=True)
+def _fresh_cache() -> None:
+    """The page caches closed buckets: each test starts without them."""
+    from django.core.cache import cache
+
+    cache.clear()
+
+
 def run_row(
     workflow_id: str,
     status: str,
@@ -254,6 +262,19 @@ def test_the_links_lead_to_the_filtered_run_list(
     assert reverse(URL) in changelist.content.decode()
     index = admin_client.get(reverse("admin:index")).content.decode()
     assert reverse(URL) in index  # an entry in the app list
+
+
+def test_the_page_reuses_closed_buckets_and_counts_the_open_one(
+    admin_client: Client, known: dict[str, Any]
+) -> None:
+    assert admin_client.get(reverse(URL)).context["dw"].total.total == 11
+    run_row("dash-a", Status.COMPLETED, known["now"] - timedelta(hours=3))  # a closed bucket
+    run_row("dash-a", Status.FAILED, known["now"], failed_stage="ship")  # the open bucket
+    again = admin_client.get(reverse(URL)).context["dw"]
+    assert again.total.total == 12  # the open bucket is read live, the closed ones cached
+    assert ("dash-a", "ship", 1) in [(f.workflow_id, f.stage_id, f.failed) for f in again.failing]
+    live = build_dashboard("24h", None)  # in code: nothing cached
+    assert live.total.total == 13
 
 
 @pytest.mark.parametrize(
