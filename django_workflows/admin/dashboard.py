@@ -5,8 +5,8 @@ JavaScript, no external CSS).
 
 ``/admin/django_workflows/dashboard/?window=24h&workflow=<id>`` (``window``: ``1h``, ``24h``
 (default), ``7d``, ``30d``; ``workflow``: optional). Viewing it needs the view permission of
-runs. What each panel reads (five statements whatever the number of runs; ``EXPLAIN`` in the
-notes of issue 20):
+runs. What each panel reads (eight statements at most whatever the number of runs; the page
+reuses the counts of closed buckets and the percentiles for :data:`CLOSED_CACHE_SECONDS`):
 
 * **Throughput and failures**: runs *finished* (``completed_at``) in the window, counted per
   workflow, status and time bucket (:data:`WINDOWS`: 5 min, 1 h, 6 h, 1 day) in SQL - on
