@@ -137,12 +137,19 @@ class WorkflowRun(models.Model):
             models.Index(
                 fields=["workflow_id", "concurrency_key", "status"], name="wf_run_concurrency_idx"
             ),
-            # Runs finished recently, per workflow and status (the health metrics' window,
-            # issue 20): partial, so PENDING/RUNNING rows and their updates never touch it.
+            # Runs finished in a time window, per workflow and status (issue 20: the health
+            # metrics' window and the admin dashboard's throughput panel, both from the index
+            # alone): partial, so PENDING/RUNNING rows and their updates never touch it.
             models.Index(
                 fields=["completed_at", "workflow_id", "status"],
                 name="wf_run_completed_idx",
                 condition=models.Q(completed_at__isnull=False),
+            ),
+            # The FAILED runs of a window (the dashboard's failures; partial: failed runs only).
+            models.Index(
+                fields=["completed_at"],
+                condition=models.Q(status="FAILED"),
+                name="wf_run_failed_completed_idx",
             ),
         ]
         # Operator permissions shared by the HTTP API and the admin.
@@ -159,6 +166,19 @@ class WorkflowRun(models.Model):
     @property
     def is_terminal(self) -> bool:
         return self.status in TERMINAL_RUN_STATUSES
+
+
+class Dashboard(WorkflowRun):
+    """The admin dashboard (issue 20 item 5, :mod:`django_workflows.admin.dashboard`): a proxy
+    of :class:`WorkflowRun` with no table of its own, so the dashboard has an entry in the
+    admin's app list and a URL (``/admin/django_workflows/dashboard/``). Viewing it needs the
+    view permission of runs."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "dashboard"
+        verbose_name_plural = "dashboard"
+        default_permissions = ()
 
 
 class WorkflowStage(models.Model):

@@ -12,6 +12,9 @@
   and backfill, with the same confirmation / History / permission flow.
 * Signals (``send_signal``): a read-only list; a run's signals on its page and a "Send
   signal" operation there.
+* Dashboard (:mod:`.dashboard`): throughput and failures per workflow over time, queue depth,
+  stage duration percentiles, the slowest and the most failing stages (inline SVG, bounded
+  queries).
 * Jobs, outbox events, logs, annotations and idempotency keys (:mod:`.records`): read-only
   lists with exact-match search and bounded filters.
 
@@ -21,6 +24,7 @@ saves a run, stage or job itself.
 
 from __future__ import annotations
 
+from .dashboard import DashboardAdmin
 from .records import (
     IdempotencyKeyAdmin,
     OutboxEventAdmin,
@@ -33,6 +37,7 @@ from .runs import WorkflowRunAdmin
 from .schedules import WorkflowScheduleAdmin
 
 __all__ = [
+    "DashboardAdmin",
     "IdempotencyKeyAdmin",
     "OutboxEventAdmin",
     "WorkflowAnnotationAdmin",

@@ -123,6 +123,42 @@ class CreatedFilter(admin.SimpleListFilter):
         return None
 
 
+class FinishedFilter(admin.SimpleListFilter):
+    """Runs finished (``completed_at``) in the last hour / 24 hours / 7 / 30 days: the windows
+    of the dashboard, whose links use it (served by ``wf_run_completed_idx``)."""
+
+    title = "finished"
+    parameter_name = "finished"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(key, label) for key, (label, _) in CreatedFilter.RANGES.items()]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        value = self.value()
+        if value in CreatedFilter.RANGES:
+            since = timezone.now() - CreatedFilter.RANGES[value][1]
+            return queryset.filter(completed_at__gte=since)
+        return None
+
+
+class FailedStageFilter(admin.SimpleListFilter):
+    """``?failed_stage=<stage id>``: FAILED runs that this stage failed (``error["stage_id"]``;
+    the dashboard's "most failing stages" link here). Shown only while it is in use."""
+
+    title = "failed at stage"
+    parameter_name = "failed_stage"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        value = self.value()
+        return [(value, value)] if value else []
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
+        value = self.value()
+        if value:
+            return queryset.filter(status=Status.FAILED, error__stage_id=value[:200])
+        return None
+
+
 class ParentFilter(admin.SimpleListFilter):
     """Child runs (started by a child-workflow stage) or top-level runs (issue 18 item 5)."""
 

@@ -53,6 +53,8 @@ from .display import (
 )
 from .run_list import (
     CreatedFilter,
+    FailedStageFilter,
+    FinishedFilter,
     ParentFilter,
     RunChangeList,
     RunStatusFilter,
@@ -89,7 +91,15 @@ class WorkflowRunAdmin(RunOperationsMixin, RunPageMixin, CappedPaginationMixin, 
         "created",
         "duration",
     )
-    list_filter = (RunStatusFilter, WaitingFilter, CreatedFilter, WorkflowFilter, ParentFilter)
+    list_filter = (
+        RunStatusFilter,
+        WaitingFilter,
+        CreatedFilter,
+        FinishedFilter,
+        WorkflowFilter,
+        ParentFilter,
+        FailedStageFilter,
+    )
     search_fields = ()  # get_search_results: exact id, idempotency key, workflow id prefix
     search_help_text = (
         "Search by full run id, run.create idempotency key, or workflow id (or its start)."
