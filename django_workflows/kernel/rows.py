@@ -24,7 +24,10 @@ Only the shapes the stage path needs are here; everything else stays on the ORM.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime
 from typing import Any, TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, connections
@@ -51,21 +54,56 @@ _AS_IS = {
     "FloatField": float,
 }
 
+#: On PostgreSQL also these (the driver takes them natively): ``UUIDField`` values of type
+#: ``uuid.UUID``, ``DateTimeField`` values of type ``datetime`` *with* a time zone (a naive
+#: one goes through the field, which warns and makes it aware, as the ORM does).
+_AS_IS_POSTGRES = {**_AS_IS, "UUIDField": uuid.UUID, "DateTimeField": datetime}
+
+_local = threading.local()
+
 
 def _conn() -> Any:
-    """The default connection itself (``django.db.connection`` is a proxy that looks it up on
-    every attribute access).
+    """The default connection itself, looked up once per thread (``django.db.connection`` is a
+    proxy that looks it up on every attribute access, and the lookup goes through
+    ``asgiref.local``: about 2 us, dozens of times per stage). Django keeps one connection
+    object per thread and alias for the thread's life (it closes and reopens the database
+    connection *inside* that object), so the object found first stays the right one.
     """
-    return connections[DEFAULT_DB_ALIAS]
+    try:
+        return _local.conn
+    except AttributeError:
+        conn = _local.conn = connections[DEFAULT_DB_ALIAS]
+        return conn
 
 
 def _q(name: str) -> str:
     return _conn().ops.quote_name(name)
 
 
-def _writable(fields: Iterable[Any]) -> list[tuple[Any, str, type | None, str]]:
-    """``(field, attname, type written as is, quoted column)`` per field; see :data:`_AS_IS`."""
-    return [(f, f.attname, _AS_IS.get(f.get_internal_type()), _q(f.column)) for f in fields]
+def writable(fields: Iterable[Any]) -> list[tuple[Any, str, type | None, str]]:
+    """``(field, attname, type written as is, quoted column)`` per field, for this database
+    (see :data:`_AS_IS`, :data:`_AS_IS_POSTGRES`); the entries :func:`db_value` takes."""
+    conn = _conn()
+    plain = _AS_IS_POSTGRES if conn.vendor == "postgresql" else _AS_IS
+    return [(f, f.attname, plain.get(f.get_internal_type()), _q(f.column)) for f in fields]
+
+
+def _is_plain(as_is: type | None, value: Any) -> bool:
+    """Whether ``value`` goes to the driver unchanged for a field whose plain type is ``as_is``
+    (``get_db_prep_save`` would return it unchanged)."""
+    t = type(value)
+    if t is as_is:
+        return t is not datetime or value.tzinfo is not None
+    return as_is is str and isinstance(value, str)
+
+
+def db_value(entry: tuple[Any, str, type | None, str], value: Any, connection: Any) -> Any:
+    """``value`` as the ORM sends it for the field of ``entry`` (from :func:`writable`):
+    ``None`` and plain values unchanged, anything else through ``field.get_db_prep_save``.
+    Not for expressions (``Now()``, ``F()``)."""
+    if value is None or _is_plain(entry[2], value):
+        return value
+    return entry[0].get_db_prep_save(value, connection)
 
 
 def _write_value(
@@ -257,12 +295,13 @@ def update(
     skey = ("update", connection.vendor, model, tuple(values), tuple(where), bump_version)
     shape = _shapes.get(skey)
     if shape is None:
-        fields = _writable(meta.get_field(name) for name in values)
+        fields = writable(meta.get_field(name) for name in values)
         conds = [meta.pk] + [meta.get_field(name) for name in where]
         prefix = f"UPDATE {_q(meta.db_table)} SET "
         if bump_version:
             prefix += f"{_q('version')} = {_q('version')} + 1, "
         tail = " WHERE " + " AND ".join(f"{_q(f.column)} = %s" for f in conds)
+        conds = writable(conds)
         shape = _shapes[skey] = (prefix, fields, conds, tail)
     prefix, fields, conds, tail = shape
     sets: list[str] = []
@@ -272,15 +311,20 @@ def update(
         # anyway), which keeps the parameter lists short; plain values need no preparation.
         if value is None:
             sets.append(column + " = NULL")
-        elif type(value) is as_is or (as_is is str and isinstance(value, str)):
+        elif _is_plain(as_is, value):
             sets.append(column + " = %s")
             params.append(value)
         else:
             sets.append(
                 column + " = " + _write_value(model, field, as_is, value, params, connection)
             )
-    for field, value in zip(conds, (pk, *where.values()), strict=True):
-        params.append(field.get_db_prep_value(value, connection, prepared=False))
+    for entry, value in zip(conds, (pk, *where.values()), strict=True):
+        # as ``filter(col=value)`` prepares it (``get_db_prep_value``), plain values as is
+        params.append(
+            value
+            if _is_plain(entry[2], value)
+            else entry[0].get_db_prep_value(value, connection, prepared=False)
+        )
     with connection.cursor() as cursor:
         cursor.execute(prefix + ", ".join(sets) + tail, params)
         return cursor.rowcount
@@ -292,13 +336,25 @@ def new(model: type[M], **values: Any) -> M:
     """
     obj = model.__new__(model)
     d = obj.__dict__
-    for field in model._meta.concrete_fields:
-        name = field.attname
-        d[name] = values.pop(name) if name in values else field.get_default()
+    for name, default in _defaults(model):
+        value = values.pop(name, _MISSING)
+        d[name] = default() if value is _MISSING else value
     if values:
         raise TypeError(f"{model.__name__} has no fields {sorted(values)}")
     obj._state = ModelState()
     return obj
+
+
+_MISSING = object()
+
+
+def _defaults(model: type[Model]) -> list[tuple[str, Callable[[], Any]]]:
+    """``(attname, default maker)`` per concrete field (what ``field.get_default()`` calls)."""
+    key = ("defaults", model)
+    shape = _shapes.get(key)
+    if shape is None:
+        shape = _shapes[key] = [(f.attname, f._get_default) for f in model._meta.concrete_fields]
+    return shape
 
 
 def insert(
@@ -324,7 +380,7 @@ def insert(
     shape = _shapes.get(skey)
     if shape is None:
         columns = [f for f in meta.concrete_fields if not (returning and f is meta.pk)]
-        fields = _writable(columns)
+        fields = writable(columns)
         head = (
             f"INSERT INTO {_q(meta.db_table)} ({', '.join(_q(f.column) for f in columns)}) VALUES "
         )
@@ -354,7 +410,7 @@ def insert(
             value = d[attname]
             if value is None:  # as in update()
                 marks.append("NULL")
-            elif type(value) is as_is or (as_is is str and isinstance(value, str)):
+            elif _is_plain(as_is, value):
                 marks.append("%s")
                 params.append(value)
             else:
