@@ -188,9 +188,9 @@ def _append_sequenced(run_id: Any, objs: list[OutboxEvent], now: datetime) -> bo
         d = obj.__dict__
         params += [rows.db_value(entry, d[entry[1]], conn) for entry in fields]
     sql = head.format(n=n) + ", ".join([row] * n) + tail
-    with conn.cursor() as cursor:
-        cursor.execute(sql, params)
-        inserted = cursor.rowcount
+    cursor = rows._cursor(conn)
+    cursor.execute(sql, params)
+    inserted = cursor.rowcount
     if inserted == 0:
         return False
     assert inserted == n, f"appended {inserted} of {n} events"

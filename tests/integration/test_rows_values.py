@@ -58,3 +58,35 @@ def test_a_naive_datetime_still_goes_through_its_field() -> None:
     assert any("naive datetime" in str(w.message) for w in caught)
     if connection.vendor == "postgresql":
         assert value.tzinfo is not None
+
+
+@pytest.mark.django_db(transaction=True)  # outside a test transaction: close() closes
+def test_the_kept_cursor_is_made_anew_whenever_django_would_make_it_differently() -> None:
+    """rows._cursor reuses this thread's last cursor only on the same driver connection, with
+    the same statement logging and no health check pending."""
+    from django.db import connections
+    from django.test.utils import CaptureQueriesContext
+
+    conn = connections["default"]
+    first = rows._cursor(conn)
+    assert rows._cursor(conn) is first
+    with CaptureQueriesContext(conn) as captured:  # logging on: a debug cursor, counted
+        logged = rows._cursor(conn)
+        assert logged is not first
+        rows.select(WorkflowRun, "test-none", "1 = 0", [])
+    assert len(captured.captured_queries) == 1
+    plain = rows._cursor(conn)
+    assert plain is not logged
+    conn.health_check_enabled, conn.health_check_done = True, False  # a check is pending
+    try:
+        checked = rows._cursor(conn)
+        assert checked is not plain
+    finally:
+        conn.health_check_enabled = conn.settings_dict["CONN_HEALTH_CHECKS"]
+    raw = conn.connection
+    conn.close()
+    reopened = rows._cursor(conn)
+    if conn.vendor == "postgresql":  # (Django never closes SQLite's in-memory test database)
+        assert conn.connection is not raw and reopened is not checked
+    reopened.execute("SELECT 1")
+    assert reopened.fetchall() == [(1,)]
