@@ -5,19 +5,22 @@ database: an ORM ``filter(pk=...)`` read costs about 13 times a raw ``SELECT`` o
 The statements every stage runs - lock the run, lease and settle its job, update its stage
 record, upsert its output blob, insert the next group's records and jobs, append its events,
 read the stage records and outputs - are therefore written here as SQL built once per *shape*
-(model, columns, filter) and cached, and run through Django's cursor, so they stay inside the
-caller's transaction and are counted like any other query. The cache holds SQL *text* only:
+(model, columns, filter) and cached, and run through a Django cursor (kept per thread while
+Django would make the same one, :func:`_cursor`), so they stay inside the caller's transaction
+and are counted like any other query. The cache holds SQL *text* only:
 these are not server-side prepared statements (every execution sends the text and its
 parameters through the driver, like any ORM query; nothing is ``PREPARE``d on the server).
 
 Values go in as the ORM would send them: each is prepared by its model field
-(``field.get_db_prep_save(value, connection)``: UUIDs, datetimes, JSON columns). A value that is
-an expression is compiled by Django's compiler for that statement (``Now()``, lease time, is
-cached per database because it is on every lease; anything else, such as ``F("x") + 1``, is
-compiled each time). Rows come back as the ORM would build them: every column through the
-converters Django's compiler would apply (JSON decoded; on SQLite datetimes, UUIDs, floats),
-then set on an instance made without ``Model.__init__`` (no ``pre_init``/``post_init``
-signals: no receiver is connected to the engine's models), marked as loaded from the database.
+(``field.get_db_prep_save(value, connection)``: JSON columns, naive datetimes, strings for
+UUIDs), except values the field would send unchanged (:data:`_AS_IS`,
+:data:`_AS_IS_POSTGRES`). A value that is an expression is compiled by Django's compiler for
+that statement (``Now()``, lease time, is cached per database because it is on every lease;
+anything else, such as ``F("x") + 1``, is compiled each time). Rows come back as the ORM
+would build them: every column through the converters Django's compiler would apply (JSON
+decoded; on SQLite datetimes, UUIDs, floats), then set on an instance made without
+``Model.__init__`` (no ``pre_init``/``post_init`` signals: no receiver is connected to the
+engine's models), marked as loaded from the database.
 
 Only the shapes the stage path needs are here; everything else stays on the ORM.
 """
