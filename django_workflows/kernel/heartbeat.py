@@ -7,6 +7,7 @@ runs that left RUNNING for ``ctx.is_cancelled()``, and is the watchdog of stage 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -142,8 +143,17 @@ class _Beater:
         self._beats: dict[int, Heartbeat] = {}
         self._thread: threading.Thread | None = None
         self._threaded = thread
+        #: Monotonic time the thread's current wait ends; ``-inf`` while it is not waiting
+        #: (it looks at every registered heartbeat before it waits again).
+        self._wake_at = -math.inf
+        #: The thread may hold a database connection (it beat or timed out since it last
+        #: closed its connection).
+        self._connected = False
 
     def add(self, beat: Heartbeat) -> None:
+        """Register ``beat`` (its first beat one interval from now, its deadline from now).
+        The thread is woken only when ``beat`` is due before the thread's wait ends: a
+        delivery much shorter than the interval (most of them) costs no thread wake-up."""
         with self._cond:
             now = time.monotonic()
             beat.next_beat = now + beat.interval
@@ -151,14 +161,18 @@ class _Beater:
                 beat.deadline = now + beat.timeout_seconds
             self._beats[id(beat)] = beat
             if self._threaded and (self._thread is None or not self._thread.is_alive()):
+                self._wake_at = -math.inf
                 self._thread = threading.Thread(target=self._loop, name="heartbeats", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if min(beat.next_beat, beat.deadline or beat.next_beat) < self._wake_at:
+                self._cond.notify()
 
     def remove(self, beat: Heartbeat) -> None:
+        """Unregister ``beat``; the last one out wakes the thread to close its connection,
+        if it may hold one."""
         with self._cond:
             self._beats.pop(id(beat), None)
-            if not self._beats:
+            if not self._beats and self._connected:
                 self._cond.notify()
 
     def beats(self) -> list[Heartbeat]:
@@ -192,11 +206,16 @@ class _Beater:
             with self._cond:
                 if not self._beats:
                     connection.close()  # idle: hold no connection (a test database may go)
+                    self._connected = False
                 now = time.monotonic()
                 overdue, due = self._due(now)
                 if not due and not overdue:
-                    self._cond.wait(self._wait_seconds(now))
+                    timeout = self._wait_seconds(now)
+                    self._wake_at = now + timeout
+                    self._cond.wait(timeout)
+                    self._wake_at = -math.inf
                     continue
+                self._connected = True
             self._send(overdue, due)
 
     def _send(self, overdue: list[Heartbeat], due: list[Heartbeat]) -> None:

@@ -127,7 +127,7 @@ def append_events(events: Iterable[dict[str, Any]], causation_id: str, now: date
 
 def _has_writable_ctes() -> bool:
     """Whether this database runs an UPDATE inside a CTE (PostgreSQL; SQLite does not)."""
-    return connection.vendor == "postgresql"
+    return rows._conn().vendor == "postgresql"
 
 
 #: :func:`_append_sequenced`'s SQL parts, built once per process (PostgreSQL only).
@@ -162,7 +162,7 @@ def _sequenced_sql() -> tuple[str, str, str, list[Any]]:
         )
         row = "(%s::integer, " + ", ".join(f"CAST(%s AS {c})" for c in casts) + ")"
         tail = f") AS v(ord, {', '.join(aliases)}) ORDER BY v.ord"
-        _sequenced_shape = (head, row, tail, fields)
+        _sequenced_shape = (head, row, tail, rows.writable(fields))
     return _sequenced_shape
 
 
@@ -178,18 +178,19 @@ def _append_sequenced(run_id: Any, objs: list[OutboxEvent], now: datetime) -> bo
     head, row, tail, fields = _sequenced_sql()
     n = len(objs)
     meta = WorkflowRun._meta
+    conn = rows._conn()
     params: list[Any] = [
-        meta.get_field("updated_at").get_db_prep_value(now, connection),
-        meta.pk.get_db_prep_value(uuid.UUID(str(run_id)), connection),
+        meta.get_field("updated_at").get_db_prep_value(now, conn),
+        meta.pk.get_db_prep_value(uuid.UUID(str(run_id)), conn),
     ]
     for ordinal, obj in enumerate(objs, start=1):
         params.append(ordinal)
         d = obj.__dict__
-        params += [f.get_db_prep_save(d[f.attname], connection) for f in fields]
+        params += [rows.db_value(entry, d[entry[1]], conn) for entry in fields]
     sql = head.format(n=n) + ", ".join([row] * n) + tail
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        inserted = cursor.rowcount
+    cursor = rows._cursor(conn)
+    cursor.execute(sql, params)
+    inserted = cursor.rowcount
     if inserted == 0:
         return False
     assert inserted == n, f"appended {inserted} of {n} events"

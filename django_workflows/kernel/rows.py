@@ -5,26 +5,32 @@ database: an ORM ``filter(pk=...)`` read costs about 13 times a raw ``SELECT`` o
 The statements every stage runs - lock the run, lease and settle its job, update its stage
 record, upsert its output blob, insert the next group's records and jobs, append its events,
 read the stage records and outputs - are therefore written here as SQL built once per *shape*
-(model, columns, filter) and cached, and run through Django's cursor, so they stay inside the
-caller's transaction and are counted like any other query. The cache holds SQL *text* only:
+(model, columns, filter) and cached, and run through a Django cursor (kept per thread while
+Django would make the same one, :func:`_cursor`), so they stay inside the caller's transaction
+and are counted like any other query. The cache holds SQL *text* only:
 these are not server-side prepared statements (every execution sends the text and its
 parameters through the driver, like any ORM query; nothing is ``PREPARE``d on the server).
 
 Values go in as the ORM would send them: each is prepared by its model field
-(``field.get_db_prep_save(value, connection)``: UUIDs, datetimes, JSON columns). A value that is
-an expression is compiled by Django's compiler for that statement (``Now()``, lease time, is
-cached per database because it is on every lease; anything else, such as ``F("x") + 1``, is
-compiled each time). Rows come back as the ORM would build them: every column through the
-converters Django's compiler would apply (JSON decoded; on SQLite datetimes, UUIDs, floats),
-then set on an instance made without ``Model.__init__`` (no ``pre_init``/``post_init``
-signals: no receiver is connected to the engine's models), marked as loaded from the database.
+(``field.get_db_prep_save(value, connection)``: JSON columns, naive datetimes, strings for
+UUIDs), except values the field would send unchanged (:data:`_AS_IS`,
+:data:`_AS_IS_POSTGRES`). A value that is an expression is compiled by Django's compiler for
+that statement (``Now()``, lease time, is cached per database because it is on every lease;
+anything else, such as ``F("x") + 1``, is compiled each time). Rows come back as the ORM
+would build them: every column through the converters Django's compiler would apply (JSON
+decoded; on SQLite datetimes, UUIDs, floats), then set on an instance made without
+``Model.__init__`` (no ``pre_init``/``post_init`` signals: no receiver is connected to the
+engine's models), marked as loaded from the database.
 
 Only the shapes the stage path needs are here; everything else stays on the ORM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime
 from typing import Any, TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, connections
@@ -51,21 +57,81 @@ _AS_IS = {
     "FloatField": float,
 }
 
+#: On PostgreSQL also these (the driver takes them natively): ``UUIDField`` values of type
+#: ``uuid.UUID``, ``DateTimeField`` values of type ``datetime`` *with* a time zone (a naive
+#: one goes through the field, which warns and makes it aware, as the ORM does).
+_AS_IS_POSTGRES = {**_AS_IS, "UUIDField": uuid.UUID, "DateTimeField": datetime}
+
+_local = threading.local()
+
 
 def _conn() -> Any:
-    """The default connection itself (``django.db.connection`` is a proxy that looks it up on
-    every attribute access).
+    """The default connection itself, looked up once per thread (``django.db.connection`` is a
+    proxy that looks it up on every attribute access, and the lookup goes through
+    ``asgiref.local``: about 2 us, dozens of times per stage). Django keeps one connection
+    object per thread and alias for the thread's life (it closes and reopens the database
+    connection *inside* that object), so the object found first stays the right one.
     """
-    return connections[DEFAULT_DB_ALIAS]
+    try:
+        return _local.conn
+    except AttributeError:
+        conn = _local.conn = connections[DEFAULT_DB_ALIAS]
+        return conn
+
+
+def _cursor(conn: Any) -> Any:
+    """A cursor of ``conn`` for one statement (not to be closed by the caller). Making a
+    Django cursor costs about 12 us (the health check and connection checks, the driver's
+    cursor, its wrapper); one per statement was about 4% of a stage's CPU. The cursor made
+    last in this thread is used again while nothing that Django does in ``cursor()`` would
+    come out differently: the same driver connection (not closed or replaced since), the
+    same statement logging (``queries_logged``: ``CaptureQueriesContext``, ``DEBUG``) and no
+    health check pending (``CONN_HEALTH_CHECKS``: after ``close_old_connections`` the next
+    cursor is made by Django, which checks). Execute wrappers are looked up at each
+    ``execute``, so they see every statement either way.
+    """
+    kept = getattr(_local, "cursor", None)
+    if (
+        kept is not None
+        and kept[0] is conn.connection
+        and kept[1] == conn.queries_logged
+        and (conn.health_check_done or not conn.health_check_enabled)
+    ):
+        return kept[2]
+    cursor = conn.cursor()
+    # the driver connection is held here, so its id is never reused while it is compared
+    _local.cursor = (conn.connection, conn.queries_logged, cursor)
+    return cursor
 
 
 def _q(name: str) -> str:
     return _conn().ops.quote_name(name)
 
 
-def _writable(fields: Iterable[Any]) -> list[tuple[Any, str, type | None, str]]:
-    """``(field, attname, type written as is, quoted column)`` per field; see :data:`_AS_IS`."""
-    return [(f, f.attname, _AS_IS.get(f.get_internal_type()), _q(f.column)) for f in fields]
+def writable(fields: Iterable[Any]) -> list[tuple[Any, str, type | None, str]]:
+    """``(field, attname, type written as is, quoted column)`` per field, for this database
+    (see :data:`_AS_IS`, :data:`_AS_IS_POSTGRES`); the entries :func:`db_value` takes."""
+    conn = _conn()
+    plain = _AS_IS_POSTGRES if conn.vendor == "postgresql" else _AS_IS
+    return [(f, f.attname, plain.get(f.get_internal_type()), _q(f.column)) for f in fields]
+
+
+def _is_plain(as_is: type | None, value: Any) -> bool:
+    """Whether ``value`` goes to the driver unchanged for a field whose plain type is ``as_is``
+    (``get_db_prep_save`` would return it unchanged)."""
+    t = type(value)
+    if t is as_is:
+        return t is not datetime or value.tzinfo is not None
+    return as_is is str and isinstance(value, str)
+
+
+def db_value(entry: tuple[Any, str, type | None, str], value: Any, connection: Any) -> Any:
+    """``value`` as the ORM sends it for the field of ``entry`` (from :func:`writable`):
+    ``None`` and plain values unchanged, anything else through ``field.get_db_prep_save``.
+    Not for expressions (``Now()``, ``F()``)."""
+    if value is None or _is_plain(entry[2], value):
+        return value
+    return entry[0].get_db_prep_save(value, connection)
 
 
 def _write_value(
@@ -181,9 +247,9 @@ def select(
             if lock == "skip" and connection.features.has_select_for_update_skip_locked:
                 sql += " SKIP LOCKED"
         _shapes[skey] = sql
-    with connection.cursor() as cursor:
-        cursor.execute(sql, list(params))
-        rows = cursor.fetchall()
+    cursor = _cursor(connection)
+    cursor.execute(sql, list(params))
+    rows = cursor.fetchall()
     return [_build(model, attnames, converters, row, connection) for row in rows]
 
 
@@ -221,9 +287,9 @@ def column_values(
     head, converters = shape
     key_field = meta.get_field(key_column)
     params = [key_field.get_db_prep_value(k, connection, prepared=False) for k in keys]
-    with connection.cursor() as cursor:
-        cursor.execute(head + "(" + ", ".join(["%s"] * len(params)) + ")", params)
-        rows = cursor.fetchall()
+    cursor = _cursor(connection)
+    cursor.execute(head + "(" + ", ".join(["%s"] * len(params)) + ")", params)
+    rows = cursor.fetchall()
     out = []
     for row in rows:
         values = list(row)
@@ -257,12 +323,13 @@ def update(
     skey = ("update", connection.vendor, model, tuple(values), tuple(where), bump_version)
     shape = _shapes.get(skey)
     if shape is None:
-        fields = _writable(meta.get_field(name) for name in values)
+        fields = writable(meta.get_field(name) for name in values)
         conds = [meta.pk] + [meta.get_field(name) for name in where]
         prefix = f"UPDATE {_q(meta.db_table)} SET "
         if bump_version:
             prefix += f"{_q('version')} = {_q('version')} + 1, "
         tail = " WHERE " + " AND ".join(f"{_q(f.column)} = %s" for f in conds)
+        conds = writable(conds)
         shape = _shapes[skey] = (prefix, fields, conds, tail)
     prefix, fields, conds, tail = shape
     sets: list[str] = []
@@ -272,18 +339,23 @@ def update(
         # anyway), which keeps the parameter lists short; plain values need no preparation.
         if value is None:
             sets.append(column + " = NULL")
-        elif type(value) is as_is or (as_is is str and isinstance(value, str)):
+        elif _is_plain(as_is, value):
             sets.append(column + " = %s")
             params.append(value)
         else:
             sets.append(
                 column + " = " + _write_value(model, field, as_is, value, params, connection)
             )
-    for field, value in zip(conds, (pk, *where.values()), strict=True):
-        params.append(field.get_db_prep_value(value, connection, prepared=False))
-    with connection.cursor() as cursor:
-        cursor.execute(prefix + ", ".join(sets) + tail, params)
-        return cursor.rowcount
+    for entry, value in zip(conds, (pk, *where.values()), strict=True):
+        # as ``filter(col=value)`` prepares it (``get_db_prep_value``), plain values as is
+        params.append(
+            value
+            if _is_plain(entry[2], value)
+            else entry[0].get_db_prep_value(value, connection, prepared=False)
+        )
+    cursor = _cursor(connection)
+    cursor.execute(prefix + ", ".join(sets) + tail, params)
+    return cursor.rowcount
 
 
 def new(model: type[M], **values: Any) -> M:
@@ -292,13 +364,25 @@ def new(model: type[M], **values: Any) -> M:
     """
     obj = model.__new__(model)
     d = obj.__dict__
-    for field in model._meta.concrete_fields:
-        name = field.attname
-        d[name] = values.pop(name) if name in values else field.get_default()
+    for name, default in _defaults(model):
+        value = values.pop(name, _MISSING)
+        d[name] = default() if value is _MISSING else value
     if values:
         raise TypeError(f"{model.__name__} has no fields {sorted(values)}")
     obj._state = ModelState()
     return obj
+
+
+_MISSING = object()
+
+
+def _defaults(model: type[Model]) -> list[tuple[str, Callable[[], Any]]]:
+    """``(attname, default maker)`` per concrete field (what ``field.get_default()`` calls)."""
+    key = ("defaults", model)
+    shape = _shapes.get(key)
+    if shape is None:
+        shape = _shapes[key] = [(f.attname, f._get_default) for f in model._meta.concrete_fields]
+    return shape
 
 
 def insert(
@@ -324,7 +408,7 @@ def insert(
     shape = _shapes.get(skey)
     if shape is None:
         columns = [f for f in meta.concrete_fields if not (returning and f is meta.pk)]
-        fields = _writable(columns)
+        fields = writable(columns)
         head = (
             f"INSERT INTO {_q(meta.db_table)} ({', '.join(_q(f.column) for f in columns)}) VALUES "
         )
@@ -354,15 +438,15 @@ def insert(
             value = d[attname]
             if value is None:  # as in update()
                 marks.append("NULL")
-            elif type(value) is as_is or (as_is is str and isinstance(value, str)):
+            elif _is_plain(as_is, value):
                 marks.append("%s")
                 params.append(value)
             else:
                 marks.append(_write_value(model, field, as_is, value, params, connection))
         groups.append("(" + ", ".join(marks) + ")")
-    with connection.cursor() as cursor:
-        cursor.execute(head + ", ".join(groups) + tail, params)
-        ids = cursor.fetchall() if returning else None
+    cursor = _cursor(connection)
+    cursor.execute(head + ", ".join(groups) + tail, params)
+    ids = cursor.fetchall() if returning else None
     if ids is not None:
         assert auto is not None
         for obj, (pk,) in zip(objs, ids, strict=True):

@@ -176,10 +176,11 @@ class Listener:
         self._wish_lock = threading.Lock()
         #: set while a LISTEN is in effect on the connection
         self.listening = threading.Event()
-        #: wakes the thread from its wait on the socket (a request to (UN)LISTEN, a stop)
-        self._pipe_r, self._pipe_w = os.pipe()
-        os.set_blocking(self._pipe_r, False)
-        os.set_blocking(self._pipe_w, False)
+        #: wakes the thread from its wait on the socket (a request to (UN)LISTEN, a stop);
+        #: closed when the thread ends (or at :meth:`stop` when none runs), ``-1`` then
+        self._pipe_lock = threading.Lock()
+        self._pipe_r, self._pipe_w = -1, -1
+        self._open_pipe()
         #: notifications received for this cluster (for tests and the bench)
         self.received = 0
         #: successful LISTENs (the first connection and every reconnection)
@@ -245,10 +246,37 @@ class Listener:
         return self.listening.wait(timeout)
 
     def _poke(self) -> None:
-        try:
-            os.write(self._pipe_w, b"x")
-        except (BlockingIOError, OSError):  # full (already poked) or closed: nothing to add
-            pass
+        with self._pipe_lock:  # never a write to a closed pipe's number, reused elsewhere
+            if self._pipe_w < 0:
+                return  # no thread to wake
+            try:
+                os.write(self._pipe_w, b"x")
+            except (BlockingIOError, OSError):  # full: already poked
+                pass
+
+    def _open_pipe(self) -> None:
+        with self._pipe_lock:
+            if self._pipe_r < 0:
+                self._pipe_r, self._pipe_w = os.pipe()
+                os.set_blocking(self._pipe_r, False)
+                os.set_blocking(self._pipe_w, False)
+
+    def close_pipe(self, *, lock: bool = True) -> None:
+        """Close the wake pipe's two file descriptors (idempotent). Called when the thread
+        ends, by :meth:`stop` when no thread runs, and (``lock=False``: the lock may have been
+        held by a thread of the parent at the fork) for a listener inherited by a forked
+        process, whose thread does not run there; :meth:`start` opens a new pipe."""
+        if lock:
+            with self._pipe_lock:
+                fds, self._pipe_r, self._pipe_w = (self._pipe_r, self._pipe_w), -1, -1
+        else:
+            fds, self._pipe_r, self._pipe_w = (self._pipe_r, self._pipe_w), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def wait(self, seconds: float, stop: Any = None) -> bool:
         """Wait up to ``seconds`` for a notification; ``False`` if none came or ``stop``
@@ -269,6 +297,7 @@ class Listener:
     def start(self) -> Listener:
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
+            self._open_pipe()
             self._thread = threading.Thread(
                 target=self._run, name="django-workflows-listener", daemon=True
             )
@@ -276,14 +305,24 @@ class Listener:
         return self
 
     def stop(self) -> None:
+        """Ask the thread to end (it closes its connection and the wake pipe); with no
+        thread running the pipe is closed here."""
         self._stop.set()
         self._poke()
+        if not self.alive:
+            self.close_pipe()
 
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
+        try:
+            self._listen_until_stopped()
+        finally:
+            self.close_pipe()
+
+    def _listen_until_stopped(self) -> None:
         backoff = RECONNECT_MIN_SECONDS
         while not self._stop.is_set():
             conn = None
@@ -447,5 +486,7 @@ def process_listener(cluster: str, idle_wake: Callable[[], None]) -> Listener | 
         if _listener is None or _listener[0] != pid or _listener[1].cluster != cluster:
             if _listener is not None and _listener[0] == pid:
                 _listener[1].stop()  # another cluster's listener of this process: end it
+            elif _listener is not None:  # the parent's, inherited at a fork: no thread here
+                _listener[1].close_pipe(lock=False)
             _listener = (pid, Listener(cluster, idle_wake))
         return _listener[1].start()

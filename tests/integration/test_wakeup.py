@@ -6,6 +6,7 @@ django-q2 wake-up.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -440,3 +441,83 @@ def test_a_process_that_began_to_exit_puts_no_local_wake_up(monkeypatch: Any) ->
     assert finalizers and min(finalizers) > 10  # before Queue._finalize_close
     dq._local_wake_closes()  # what the process's exit runs
     assert not dq._wake_locally() and local.qsize() == 1
+
+
+def _pipe_closed(listener: wakeup.Listener, fds: tuple[int, int]) -> bool:
+    """Whether ``listener`` let go of its wake pipe and both descriptors are closed."""
+    if (listener._pipe_r, listener._pipe_w) != (-1, -1):
+        return False
+    for fd in fds:
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue
+        return False
+    return True
+
+
+def test_a_stopped_listener_closes_its_wake_pipe() -> None:
+    """Review leftover of issue 19: the wake pipe's two descriptors were never closed, so every
+    replaced listener leaked them. Without a thread :meth:`stop` closes them; with one the
+    ending thread does; a poke after that writes nothing anywhere."""
+    idle = wakeup.Listener("workflows", lambda: None)  # never started
+    fds = (idle._pipe_r, idle._pipe_w)
+    idle.stop()
+    assert _pipe_closed(idle, fds)
+    idle._poke()  # no thread to wake: nothing written, nothing raised
+
+    def unreachable() -> Any:
+        raise OSError("no database here")
+
+    running = wakeup.Listener("workflows", lambda: None, connect=unreachable).start()
+    fds = (running._pipe_r, running._pipe_w)
+    assert running.alive and not _pipe_closed(running, fds)
+    running.stop()
+    assert running._thread is not None
+    running._thread.join(10)
+    assert not running.alive
+    assert _pipe_closed(running, fds)
+    running.start()  # started again: a new pipe for the new thread
+    assert running.alive and running._pipe_r >= 0
+    running.stop()
+    running._thread.join(10)
+    assert (running._pipe_r, running._pipe_w) == (-1, -1)
+
+
+def test_many_replaced_listeners_leave_no_descriptors_open() -> None:
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        wakeup.Listener("workflows", lambda: None).stop()
+    assert len(os.listdir("/proc/self/fd")) - before < 10  # was 100 more
+
+
+@requires_postgres
+def test_a_replaced_or_inherited_process_listener_closes_its_wake_pipe(monkeypatch: Any) -> None:
+    """:func:`wakeup.process_listener` for another cluster stops the old listener (its thread
+    closes the pipe); one inherited from the parent at a fork (another pid) has no thread in
+    this process and is closed at once."""
+    monkeypatch.setattr(wakeup, "_listener", None)
+    first = wakeup.process_listener("cluster-one", lambda: None)
+    assert first is not None
+    fds = (first._pipe_r, first._pipe_w)
+    second = wakeup.process_listener("cluster-two", lambda: None)
+    assert second is not None and second is not first
+    try:
+        assert first._thread is not None
+        first._thread.join(10)
+        assert _pipe_closed(first, fds)
+        inherited = wakeup.Listener("cluster-two", lambda: None)  # as if made by the parent
+        monkeypatch.setattr(wakeup, "_listener", (os.getpid() + 1, inherited))
+        open_before = len(os.listdir("/proc/self/fd"))
+        third = wakeup.process_listener("cluster-two", lambda: None)
+        assert third is not None and third is not inherited
+        # closed (the new listener's pipe may reuse the numbers, so count instead)
+        assert (inherited._pipe_r, inherited._pipe_w) == (-1, -1)
+        third.stop()
+        assert third._thread is not None
+        third._thread.join(10)
+        assert len(os.listdir("/proc/self/fd")) <= open_before
+    finally:
+        second.stop()
+        if second._thread is not None:
+            second._thread.join(10)

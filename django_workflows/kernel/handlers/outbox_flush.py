@@ -48,38 +48,41 @@ def handle(kernel: Kernel, cmd: FlushOutbox) -> FlushOutboxResult:
     blocked = OutboxEvent.objects.filter(dlq_at__isnull=False, published_at__isnull=True).values(
         "workflow_run_id"
     )
-    rows = list(
+    # Only the columns a pass uses, as tuples: no model instances, and none of the row's five
+    # timestamps parsed (about a third of a worker's flush CPU; same single statement).
+    rows = (
         OutboxEvent.objects.filter(published_at__isnull=True, dlq_at__isnull=True)
         .exclude(workflow_run_id__in=blocked)
-        .order_by("workflow_run_id", "sequence")[: max(0, cmd.max_events)]
+        .order_by("workflow_run_id", "sequence")
+        .values_list("pk", "workflow_run_id", "sequence", "event_type", "payload", "retry_count")[
+            : max(0, cmd.max_events)
+        ]
     )
     sink = kernel.event_sink
     max_retries = int(getattr(sink, "max_retries", 3) or 3)
     failed_runs: set[object] = set()
     published: list[int] = []
-    contexts = telemetry.outbox_contexts([row.workflow_run_id for row in rows])
-    for row in rows:
-        if row.workflow_run_id in failed_runs:
+    contexts = telemetry.outbox_contexts([row[1] for row in rows])
+    for pk, run_id, sequence, event_type, payload, retry_count in rows:
+        if run_id in failed_runs:
             continue
         try:
-            with telemetry.delivering_event(
-                contexts, row.workflow_run_id, row.event_type, row.sequence
-            ):
-                sink.emit({**row.payload, "sequence": row.sequence, "event_id": row.pk})
+            with telemetry.delivering_event(contexts, run_id, event_type, sequence):
+                sink.emit({**payload, "sequence": sequence, "event_id": pk})
         except Exception as exc:
-            failed_runs.add(row.workflow_run_id)
-            logger.warning("Outbox event %s #%s failed: %s", row.event_type, row.sequence, exc)
-            retries = row.retry_count + 1
+            failed_runs.add(run_id)
+            logger.warning("Outbox event %s #%s failed: %s", event_type, sequence, exc)
+            retries = retry_count + 1
             updates: dict[str, object] = {
                 "retry_count": F("retry_count") + 1,
                 "last_error": delivery_error(exc),
             }
             if retries >= max_retries:
                 updates["dlq_at"] = kernel.clock.now()
-                telemetry.event_dead_lettered(row.event_type)
-            OutboxEvent.objects.filter(pk=row.pk).update(**updates)
+                telemetry.event_dead_lettered(event_type)
+            OutboxEvent.objects.filter(pk=pk).update(**updates)
             continue
-        published.append(row.pk)
+        published.append(pk)
     if published:
         OutboxEvent.objects.filter(pk__in=published).update(published_at=kernel.clock.now())
     return FlushOutboxResult(len(published))

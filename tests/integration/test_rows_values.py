@@ -1,0 +1,92 @@
+"""kernel/rows.py prepares a value as the ORM would, skipping the field only for values the
+field would send unchanged (issue 19: worker CPU)."""
+
+from __future__ import annotations
+
+import uuid
+import warnings
+from datetime import UTC, datetime
+
+import pytest
+from django.db import connection
+
+from django_workflows.kernel import rows
+from django_workflows.models import OutboxEvent, WorkflowRun
+
+pytestmark = pytest.mark.django_db
+
+
+def _entry(model: type, name: str) -> tuple:
+    (entry,) = rows.writable([model._meta.get_field(name)])
+    return entry
+
+
+@pytest.mark.parametrize(
+    ("model", "name", "value"),
+    [
+        (OutboxEvent, "created_at", datetime(2026, 12, 3, 6, 0, tzinfo=UTC)),
+        (OutboxEvent, "workflow_run_id", uuid.uuid4()),
+        (OutboxEvent, "workflow_run_id", str(uuid.uuid4())),
+        (OutboxEvent, "sequence", 7),
+        (OutboxEvent, "event_type", "stage.completed"),
+        (OutboxEvent, "payload", {"a": [1, 2]}),
+        (OutboxEvent, "published_at", None),
+        (WorkflowRun, "id", uuid.uuid4()),
+    ],
+)
+def test_a_value_is_sent_as_the_field_would_send_it(model: type, name: str, value: object) -> None:
+    field = model._meta.get_field(name)
+    ours = rows.db_value(_entry(model, name), value, connection)
+    orm = field.get_db_prep_save(value, connection)
+    if name == "payload":  # a JSON adapter object on PostgreSQL: compare what it wraps
+        assert getattr(ours, "obj", ours) == getattr(orm, "obj", orm)
+    elif type(value) is int:
+        # the ORM wraps it for PostgreSQL (psycopg's Int4); a plain int is the same number
+        # (rows.insert and rows.update have always sent plain ints)
+        assert ours == orm and type(ours) is int
+    else:
+        assert ours == orm and type(ours) is type(orm)
+
+
+def test_a_naive_datetime_still_goes_through_its_field() -> None:
+    """Only an aware datetime is plain: a naive one is warned about and made aware by the
+    field, as ``save()`` does."""
+    naive = datetime(2026, 12, 3, 6, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = rows.db_value(_entry(OutboxEvent, "created_at"), naive, connection)
+    assert any("naive datetime" in str(w.message) for w in caught)
+    if connection.vendor == "postgresql":
+        assert value.tzinfo is not None
+
+
+@pytest.mark.django_db(transaction=True)  # outside a test transaction: close() closes
+def test_the_kept_cursor_is_made_anew_whenever_django_would_make_it_differently() -> None:
+    """rows._cursor reuses this thread's last cursor only on the same driver connection, with
+    the same statement logging and no health check pending."""
+    from django.db import connections
+    from django.test.utils import CaptureQueriesContext
+
+    conn = connections["default"]
+    first = rows._cursor(conn)
+    assert rows._cursor(conn) is first
+    with CaptureQueriesContext(conn) as captured:  # logging on: a debug cursor, counted
+        logged = rows._cursor(conn)
+        assert logged is not first
+        rows.select(WorkflowRun, "test-none", "1 = 0", [])
+    assert len(captured.captured_queries) == 1
+    plain = rows._cursor(conn)
+    assert plain is not logged
+    conn.health_check_enabled, conn.health_check_done = True, False  # a check is pending
+    try:
+        checked = rows._cursor(conn)
+        assert checked is not plain
+    finally:
+        conn.health_check_enabled = conn.settings_dict["CONN_HEALTH_CHECKS"]
+    raw = conn.connection
+    conn.close()
+    reopened = rows._cursor(conn)
+    if conn.vendor == "postgresql":  # (Django never closes SQLite's in-memory test database)
+        assert conn.connection is not raw and reopened is not checked
+    reopened.execute("SELECT 1")
+    assert reopened.fetchall() == [(1,)]
