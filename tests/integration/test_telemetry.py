@@ -337,6 +337,25 @@ def test_state_gauges_observe_one_snapshot_per_collection() -> None:
     assert [p.value for p in points["workflows.ticker.live"]] == [1]
 
 
+def test_state_gauges_read_the_health_snapshot_by_default(kernel_for: Any) -> None:
+    from django_workflows.health import state
+
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    kernel = kernel_for(define_workflow(id="gauged").pipe(add(1)).build())
+    for _ in range(2):
+        kernel.dispatch(CreateRun("gauged", {"value": 1}))
+    kernel.dispatch(ClaimPendingRuns("claimer"))  # two ready jobs of queue "default"
+    expected = {q.queue: q.ready for q in state.snapshot().queues}
+    assert expected.get("default") == 2
+
+    telemetry.register_state_gauges(meter)  # no snapshot_fn: the database's state
+    points = _points(reader)
+    ready = {p.attributes["queue"]: p.value for p in points["workflows.queue.ready"]}
+    assert ready == expected
+    assert [p.value for p in points["workflows.database.up"]] == [1]
+
+
 # --- JSON log lines -------------------------------------------------------------------------
 
 
