@@ -52,6 +52,8 @@ ENGINE_LOGGERS = (
     "django_workflows.api",
     "django_workflows.connections",
     "django_workflows.schedules",
+    "django_workflows.health",
+    "django_workflows.retention",
 )
 
 

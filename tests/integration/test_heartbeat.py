@@ -57,6 +57,7 @@ class _Beats:
         self.next_beat = 0.0
         self.deadline: float | None = None
         self.job_id = 0
+        self.log_fields = {"run_id": None, "stage_id": None, "delivery": None, "generation": None}
         self.beaten = threading.Event()
 
     def check_deadline(self, now: float) -> bool:
