@@ -457,10 +457,11 @@ def signal_span(run: Any, name: str) -> Any:
 
 
 def register_state_gauges(
-    meter: Any, snapshot_fn: Callable[[], Any] | None = None, *, max_age_seconds: float = 1.0
+    meter: Any, snapshot_fn: Callable[[], Any], *, max_age_seconds: float = 1.0
 ) -> list[Any]:
-    """Register observable gauges on ``meter`` that read ``snapshot_fn()`` (default: the
-    health checks' :func:`django_workflows.health.state.snapshot`, read from the database; a
+    """Register observable gauges on ``meter`` that read ``snapshot_fn()``
+    (:func:`django_workflows.health.state.register_gauges` passes the health checks'
+    snapshot, read from the database; a
     ``StateSnapshot``: ``database_ok``, ``queues`` of ``QueueState(queue, ready, running,
     oldest_ready_age_seconds)``, ``workers`` of ``WorkerState(queue, version, count)``,
     ``outbox_undelivered``, ``outbox_lag_seconds``, ``dead_letters``,
@@ -481,8 +482,6 @@ def register_state_gauges(
         raise RuntimeError(
             "register_state_gauges needs opentelemetry-api: pip install django-workflows[otel]"
         )
-    if snapshot_fn is None:
-        from .health.state import snapshot as snapshot_fn
     Observation = otel_metrics.Observation
     cached: list[Any] = [None, 0.0]
 

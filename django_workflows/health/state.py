@@ -482,3 +482,18 @@ def _finished(now: datetime) -> dict[str, Any]:
     )
     found = [FinishedState(wf, status, n) for wf, status, n in sorted(rows)]
     return {"finished_recently": found, "finished_window_seconds": window}
+
+
+def register_gauges(meter: Any, *, max_age_seconds: float = 1.0) -> list[Any]:
+    """The OpenTelemetry observable gauges of :func:`snapshot` on ``meter`` (an
+    ``opentelemetry.metrics.Meter``): queue depth and age per queue, workers per queue and
+    version, outbox lag and backlog, schedule lag, database and ticker up (names in
+    :func:`django_workflows.telemetry.register_state_gauges`). One snapshot serves every gauge
+    of a collection (taken again when older than ``max_age_seconds``). Returns the gauges.
+
+    Raises:
+        RuntimeError: ``opentelemetry`` is not installed.
+    """
+    from ..telemetry import register_state_gauges
+
+    return register_state_gauges(meter, snapshot, max_age_seconds=max_age_seconds)

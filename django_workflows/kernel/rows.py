@@ -66,17 +66,15 @@ _local = threading.local()
 
 
 def _conn() -> Any:
-    """The default connection itself, looked up once per thread (``django.db.connection`` is a
-    proxy that looks it up on every attribute access, and the lookup goes through
-    ``asgiref.local``: about 2 us, dozens of times per stage). Django keeps one connection
-    object per thread and alias for the thread's life (it closes and reopens the database
-    connection *inside* that object), so the object found first stays the right one.
+    """The default connection of this thread *and* context: Django keeps connections per
+    asyncio context (``asgiref.local``), so code run under an event loop - an ASGI request's
+    sync view, a test driving Playwright - has connections of its own in the same thread. A
+    per-thread cache of the connection object would hand such code another context's
+    connection, a second database session beside the one its ORM statements use (seen as
+    SQLite's "database table is locked" in the admin's browser test), so it is looked up
+    each time (about 2 us).
     """
-    try:
-        return _local.conn
-    except AttributeError:
-        conn = _local.conn = connections[DEFAULT_DB_ALIAS]
-        return conn
+    return connections[DEFAULT_DB_ALIAS]
 
 
 def _cursor(conn: Any) -> Any:
@@ -89,10 +87,17 @@ def _cursor(conn: Any) -> Any:
     health check pending (``CONN_HEALTH_CHECKS``: after ``close_old_connections`` the next
     cursor is made by Django, which checks). Execute wrappers are looked up at each
     ``execute``, so they see every statement either way.
+
+    PostgreSQL only: an SQLite cursor kept open can hold a shared-cache table lock (the test
+    databases' ``file:memorydb_...?cache=shared``) that another connection then waits on
+    ("database table is locked"); SQLite gets a cursor per statement as before.
     """
+    if conn.vendor != "postgresql":
+        return conn.cursor()
     kept = getattr(_local, "cursor", None)
     if (
         kept is not None
+        and kept[3] is conn
         and kept[0] is conn.connection
         and kept[1] == conn.queries_logged
         and (conn.health_check_done or not conn.health_check_enabled)
@@ -100,7 +105,7 @@ def _cursor(conn: Any) -> Any:
         return kept[2]
     cursor = conn.cursor()
     # the driver connection is held here, so its id is never reused while it is compared
-    _local.cursor = (conn.connection, conn.queries_logged, cursor)
+    _local.cursor = (conn.connection, conn.queries_logged, cursor, conn)
     return cursor
 
 

@@ -60,14 +60,45 @@ def test_a_naive_datetime_still_goes_through_its_field() -> None:
         assert value.tzinfo is not None
 
 
+@pytest.mark.django_db
+def test_code_in_another_context_of_the_thread_gets_that_contexts_connection() -> None:
+    """Django keeps connections per asyncio context, not per thread: rows must use the one of
+    the caller's context (a per-thread cache handed an event loop's code another session)."""
+    import asyncio
+
+    from django.db import connections
+
+    outer = rows._conn()
+
+    async def under_a_loop() -> tuple[object, object]:
+        return rows._conn(), connections["default"]  # a lookup only: no query
+
+    inner, theirs = asyncio.run(under_a_loop())
+    assert outer is connections["default"]
+    assert inner is not outer and inner is theirs
+
+
+@pytest.mark.django_db
+def test_sqlite_gets_a_cursor_per_statement() -> None:
+    from django.db import connections
+
+    conn = connections["default"]
+    if conn.vendor == "postgresql":
+        pytest.skip("PostgreSQL keeps the thread's cursor (next test)")
+    assert rows._cursor(conn) is not rows._cursor(conn)
+
+
 @pytest.mark.django_db(transaction=True)  # outside a test transaction: close() closes
 def test_the_kept_cursor_is_made_anew_whenever_django_would_make_it_differently() -> None:
     """rows._cursor reuses this thread's last cursor only on the same driver connection, with
-    the same statement logging and no health check pending."""
+    the same statement logging and no health check pending (PostgreSQL: SQLite gets a cursor
+    per statement)."""
     from django.db import connections
     from django.test.utils import CaptureQueriesContext
 
     conn = connections["default"]
+    if conn.vendor != "postgresql":
+        pytest.skip("the cursor is kept on PostgreSQL only")
     first = rows._cursor(conn)
     assert rows._cursor(conn) is first
     with CaptureQueriesContext(conn) as captured:  # logging on: a debug cursor, counted

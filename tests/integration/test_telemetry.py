@@ -349,7 +349,7 @@ def test_state_gauges_read_the_health_snapshot_by_default(kernel_for: Any) -> No
     expected = {q.queue: q.ready for q in state.snapshot().queues}
     assert expected.get("default") == 2
 
-    telemetry.register_state_gauges(meter)  # no snapshot_fn: the database's state
+    state.register_gauges(meter)  # the health snapshot: the database's state
     points = _points(reader)
     ready = {p.attributes["queue"]: p.value for p in points["workflows.queue.ready"]}
     assert ready == expected
