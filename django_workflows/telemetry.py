@@ -44,6 +44,8 @@ of their own with :func:`use_providers`.
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -235,6 +237,71 @@ def _carrier(ctx: Any = None) -> dict[str, str] | None:
     return carrier or None
 
 
+# -- telemetry never fails the engine -------------------------------------------------------
+
+_failures_logged: set[str] = set()
+
+
+def _failed(where: str) -> None:
+    """An OpenTelemetry call raised (a span processor, exporter or instrument of the
+    application's providers): the engine goes on without that span or measurement. Logged
+    with its traceback once per place and process."""
+    if where not in _failures_logged:
+        _failures_logged.add(where)
+        logging.getLogger("django_workflows").warning(
+            "OpenTelemetry failed in %s; going on without it", where, exc_info=True
+        )
+
+
+def _guarded(func: Callable[..., None]) -> Callable[..., None]:
+    """``func`` (a metrics hook returning nothing) with any exception it raises logged by
+    :func:`_failed` instead of reaching the stage path."""
+
+    @functools.wraps(func)
+    def guarded(*args: Any, **kwargs: Any) -> None:
+        try:
+            func(*args, **kwargs)
+        except Exception:
+            _failed(func.__name__)
+
+    return guarded
+
+
+class _Safe:
+    """A span's context manager (made by ``make()``) whose own failures - on start or on end,
+    where the SDK calls the application's span processors without catching - are logged by
+    :func:`_failed` and swallowed; the block's own exceptions pass through unchanged. ``as``
+    gives the span, or ``None`` when starting it failed."""
+
+    def __init__(self, where: str, make: Callable[[], Any]) -> None:
+        self._where = where
+        self._make = make
+        self._cm: Any = None
+
+    def __enter__(self) -> Any:
+        try:
+            cm = self._make()
+            span = cm.__enter__()
+        except Exception:
+            _failed(self._where)
+            return None
+        self._cm = cm
+        return span
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self._cm is None:
+            return False
+        try:
+            self._cm.__exit__(*exc)
+        except BaseException as raised:
+            if exc[1] is not None and raised is exc[1]:
+                return False  # the block's own exception, re-raised by the span: let it go on
+            if not isinstance(raised, Exception):
+                raise
+            _failed(self._where)
+        return False
+
+
 # -- create ---------------------------------------------------------------------------------
 
 
@@ -249,10 +316,17 @@ def creating(workflow_id: str) -> Iterator[Any]:
     if t is None:
         yield None, None
         return
-    with t.start_as_current_span(
-        "workflow.create", attributes={"workflow.id": workflow_id}
+    with _Safe(
+        "workflow.create",
+        lambda: t.start_as_current_span("workflow.create", attributes={"workflow.id": workflow_id}),
     ) as span:
-        yield _carrier(), span
+        carrier = None
+        if span is not None:
+            try:
+                carrier = _carrier()
+            except Exception:
+                _failed("workflow.create")
+        yield carrier, span
 
 
 # -- one delivery ---------------------------------------------------------------------------
@@ -279,13 +353,18 @@ class _Traced(_Untraced):
         self._tracer = t
 
     def step(self, name: str) -> Any:
-        return self._tracer.start_as_current_span(f"workflow.{name}")
+        return _Safe(
+            f"workflow.{name}", lambda: self._tracer.start_as_current_span(f"workflow.{name}")
+        )
 
     def ended(self, result: Outcome) -> None:
         super().ended(result)
-        self._span.set_attribute("workflow.outcome", result.outcome)
-        if result.error:
-            self._span.set_status(otel_trace.Status(otel_trace.StatusCode.ERROR, result.error))
+        try:
+            self._span.set_attribute("workflow.outcome", result.outcome)
+            if result.error:
+                self._span.set_status(otel_trace.Status(otel_trace.StatusCode.ERROR, result.error))
+        except Exception:
+            _failed("workflow.stage")
 
 
 @contextmanager
@@ -301,9 +380,32 @@ def delivering(delivery: Delivery) -> Iterator[_Untraced]:
     record = d.record
     with delivery_context(d.run.pk, d.node.stage.id, d.job.attempt, record.generation):
         t = tracer()
-        if t is None:
+        started = _stage_span(t, d) if t is not None else None
+        if started is None:
             yield _Untraced(d)
             return
+        span, token = started
+        try:
+            yield _Traced(d, span, t)
+        except BaseException as exc:
+            try:
+                span.record_exception(exc)
+            except Exception:
+                _failed("workflow.stage")
+            raise
+        finally:
+            try:
+                otel_context.detach(token)
+                span.end()
+            except Exception:
+                _failed("workflow.stage")
+
+
+def _stage_span(t: Any, d: Delivery) -> tuple[Any, Any] | None:
+    """The started span ``workflow.stage <id>`` of delivery ``d`` (with its finished
+    ``workflow.lease`` child) made current, and the context token to detach; ``None`` when
+    OpenTelemetry failed (the delivery goes on untraced)."""
+    try:
         parent = _context_of(d.run.trace_context)
         began = d.lease_began_ns or d.leased_ns
         attributes = {
@@ -312,7 +414,7 @@ def delivering(delivery: Delivery) -> Iterator[_Untraced]:
             "workflow.stage_id": d.node.stage.id,
             "workflow.queue": d.job.queue,
             "workflow.delivery": d.job.attempt,
-            "workflow.generation": record.generation,
+            "workflow.generation": d.record.generation,
         }
         span = t.start_span(
             f"workflow.stage {d.node.stage.id}",
@@ -322,21 +424,17 @@ def delivering(delivery: Delivery) -> Iterator[_Untraced]:
         )
         under = otel_trace.set_span_in_context(span, parent)
         t.start_span("workflow.lease", context=under, start_time=began).end(end_time=d.leased_ns)
-        token = otel_context.attach(under)
-        try:
-            yield _Traced(d, span, t)
-        except BaseException as exc:
-            span.record_exception(exc)
-            raise
-        finally:
-            otel_context.detach(token)
-            span.end()
+        return span, otel_context.attach(under)
+    except Exception:
+        _failed("workflow.stage")
+        return None
 
 
 def _attributes(workflow_id: str, stage_id: str, queue: str) -> dict[str, str]:
     return {"workflow_id": workflow_id, "stage_id": stage_id, "queue": queue}
 
 
+@_guarded
 def _record_delivery(d: Delivery, result: Outcome, began: float) -> None:
     m = _meters()
     if m is None:
@@ -347,6 +445,7 @@ def _record_delivery(d: Delivery, result: Outcome, began: float) -> None:
         m["retries"].add(1, attrs)
 
 
+@_guarded
 def lease_lost(d: Delivery) -> None:
     """Count a delivery whose outcome was discarded: its lease had been taken over."""
     m = _meters()
@@ -354,6 +453,7 @@ def lease_lost(d: Delivery) -> None:
         m["lease_losses"].add(1, _attributes(d.workflow.id, d.node.stage.id, d.job.queue))
 
 
+@_guarded
 def run_ended(workflow_id: str, outcome: str, seconds: float | None) -> None:
     """A run ended (``completed``/``failed``) in this process ``seconds`` after its start
     (``None``: unknown, not recorded). Called after the commit that ended it.
@@ -364,6 +464,7 @@ def run_ended(workflow_id: str, outcome: str, seconds: float | None) -> None:
     m["run_duration"].record(seconds, {"workflow_id": workflow_id, "outcome": outcome})
 
 
+@_guarded
 def runs_ended_at_commit(
     workflow_id: str, events: list[dict[str, Any]], started_at: Any, now: Any
 ) -> None:
@@ -385,6 +486,7 @@ def runs_ended_at_commit(
 _RUN_ENDS = frozenset({"workflow:completed", "workflow:failed", "workflow:cancelled"})
 
 
+@_guarded
 def job_given_up(workflow_id: str, stage_id: str, queue: str, reason: str) -> None:
     """Count a job given up (a dead letter of the job queue): ``reason`` is the
     ``error_type`` its run records (``"DeliveriesExhausted"``, ``"QueueTimeout"``, ...).
@@ -408,7 +510,11 @@ def outbox_contexts(run_ids: list[Any]) -> dict[Any, Any]:
     from .models import WorkflowRun
 
     found = WorkflowRun.objects.filter(pk__in=set(run_ids)).values_list("pk", "trace_context")
-    return {pk: _context_of(carrier) for pk, carrier in found}
+    try:
+        return {pk: _context_of(carrier) for pk, carrier in found}
+    except Exception:
+        _failed("workflow.deliver")
+        return {}
 
 
 def delivering_event(contexts: dict[Any, Any], run_id: Any, event_type: str, sequence: int) -> Any:
@@ -418,17 +524,21 @@ def delivering_event(contexts: dict[Any, Any], run_id: Any, event_type: str, seq
     t = tracer()
     if t is None:
         return nullcontext()
-    return t.start_as_current_span(
+    return _Safe(
         "workflow.deliver",
-        context=contexts.get(run_id),
-        attributes={
-            "workflow.run_id": str(run_id),
-            "workflow.event_type": event_type,
-            "workflow.sequence": sequence,
-        },
+        lambda: t.start_as_current_span(
+            "workflow.deliver",
+            context=contexts.get(run_id),
+            attributes={
+                "workflow.run_id": str(run_id),
+                "workflow.event_type": event_type,
+                "workflow.sequence": sequence,
+            },
+        ),
     )
 
 
+@_guarded
 def event_dead_lettered(event_type: str) -> None:
     """Count an outbox event dead-lettered (its sink's ``max_retries`` used up)."""
     m = _meters()
@@ -443,14 +553,18 @@ def signal_span(run: Any, name: str) -> Any:
     t = tracer()
     if t is None:
         return nullcontext()
-    sender = otel_trace.get_current_span().get_span_context()
-    links = [otel_trace.Link(sender)] if sender.is_valid else []
-    return t.start_as_current_span(
-        "workflow.signal",
-        context=_context_of(getattr(run, "trace_context", None)),
-        links=links,
-        attributes={"workflow.run_id": str(run.pk), "workflow.signal": name},
-    )
+
+    def start() -> Any:
+        sender = otel_trace.get_current_span().get_span_context()
+        links = [otel_trace.Link(sender)] if sender.is_valid else []
+        return t.start_as_current_span(
+            "workflow.signal",
+            context=_context_of(getattr(run, "trace_context", None)),
+            links=links,
+            attributes={"workflow.run_id": str(run.pk), "workflow.signal": name},
+        )
+
+    return _Safe("workflow.signal", start)
 
 
 # -- database-state gauges -------------------------------------------------------------------

@@ -127,6 +127,51 @@ def test_one_trace_from_the_request_through_stages_a_child_run_and_delivery(
     assert {s.context.trace_id for s in everything} == {trace_id}
 
 
+class _Broken:
+    """A span processor that raises where the SDK does not catch: on start or on end."""
+
+    def __init__(self, when: str) -> None:
+        self.when = when
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        if self.when == "start":
+            raise RuntimeError("processor broke on start")
+
+    def on_end(self, span: Any) -> None:
+        if self.when == "end":
+            raise RuntimeError("processor broke on end")
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("when", ["start", "end"])
+def test_a_failing_span_processor_never_fails_a_stage_or_a_delivery(
+    kernel_for: Any, sink: Any, when: str
+) -> None:
+    """The SDK lets a span processor's exception reach the caller: the engine's hooks log it
+    and go on, so every stage runs, the run completes and its events are delivered."""
+    from django_workflows.kernel import FlushOutbox
+
+    provider = TracerProvider()
+    provider.add_span_processor(_Broken(when))
+    telemetry.use_providers(provider, None)
+    try:
+        kernel = kernel_for(orders)
+        run_id = kernel.dispatch(CreateRun("orders", {"order_id": "B2"})).workflow_run_id
+        run = run_to_completion(kernel, run_id, advance_seconds=None)
+        kernel.dispatch(FlushOutbox(100))
+    finally:
+        telemetry.use_providers(None, None)
+    assert run.status == Status.COMPLETED
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.COMPLETED
+    types = [e["type"] for e in sink.events if e.get("workflow_run_id") == str(run_id)]
+    assert "workflow:completed" in types
+
+
 def test_a_signal_joins_the_run_trace_and_links_to_its_sender(
     kernel_for: Any, clock: FakeClock, otel: Any
 ) -> None:
