@@ -77,6 +77,11 @@ KEYS: tuple[str, ...] = (
 RETENTION_LEASE = "retention"
 
 
+#: The longest age a policy may name (days, about 1,000 years): ``now - timedelta(days=...)``
+#: must stay a date; use ``None`` to keep runs forever.
+MAX_DAYS = 365_000
+
+
 class RetentionPolicyError(ValueError):
     """A malformed ``RETENTION`` setting; the message names the bad field."""
 
@@ -89,9 +94,11 @@ def _days(value: Any, where: str) -> float | None:
         or not isinstance(value, int | float)
         or not math.isfinite(value)
         or value < 0
+        or value > MAX_DAYS
     ):
         raise RetentionPolicyError(
-            f"RETENTION{where} must be a number of days >= 0 or None (keep forever), got {value!r}"
+            f"RETENTION{where} must be a number of days from 0 to {MAX_DAYS} or None (keep "
+            f"forever), got {value!r}"
         )
     return float(value)
 
@@ -274,7 +281,8 @@ class PruneReport:
     """What one :func:`prune` did (or, with ``dry_run``, would do).
 
     ``runs``: ``{workflow_id: {status: n}}`` pruned (or prunable); ``kept``: ``{"undelivered":
-    n, "live_family": n}`` aged-out runs kept (dry run: counted; otherwise the ones met in
+    n, "live_family": n}`` (and ``"referenced"``: held by another app's ``PROTECT`` /
+    ``RESTRICT`` / ``DO_NOTHING`` relation, counted when a batch meets them) aged-out runs kept (dry run: counted; otherwise the ones met in
     this call); ``rows``: rows deleted per table (dry run: none); ``django_q_tasks`` /
     ``idempotency_keys``: rows deleted (dry run: that would be); ``batches``: transactions
     committed; ``seconds``: wall time; ``complete``: nothing prunable was left when it stopped
@@ -327,6 +335,71 @@ def _raw_delete(qs: QuerySet[Any]) -> int:
     return int(qs._raw_delete(qs.db))  # type: ignore[attr-defined]
 
 
+def other_relations() -> list[Any]:
+    """Relations of other apps' models to :class:`WorkflowRun` (a ``ForeignKey``,
+    ``OneToOneField`` or ``ManyToManyField`` of the project's own models): the raw deletes of
+    :data:`DEPENDENTS` would leave their rows pointing at nothing, which PostgreSQL refuses
+    at commit - every batch would fail for good."""
+    engine = {model for _, model, _ in DEPENDENTS}
+    return [
+        rel
+        for rel in WorkflowRun._meta.related_objects
+        if rel.related_model not in engine
+        and rel.related_model._meta.app_label != "django_workflows"
+    ]
+
+
+def _settle_other_relations(ids: list[Any], report: PruneReport) -> list[Any]:
+    """Apply the ``on_delete`` of :func:`other_relations` to the runs ``ids`` about to be
+    deleted, as Django's ``delete()`` would: ``CASCADE`` deletes the referencing rows (through
+    the ORM, so their own relations and signals are honoured), ``SET_NULL`` / ``SET_DEFAULT``
+    update them, a many-to-many loses its links; a run referenced through ``PROTECT``,
+    ``RESTRICT`` or ``DO_NOTHING`` is kept (counted in ``report.kept["referenced"]``).
+    Returns the ids still to delete. No statement when no other app refers to runs."""
+    from django.db.models import deletion
+
+    relations = other_relations()
+    if not relations:
+        return ids
+    remaining = list(ids)
+    acting = []
+    for rel in relations:  # first which runs must stay, then act for the others only
+        if rel.many_to_many or rel.on_delete in (
+            deletion.CASCADE,
+            deletion.SET_NULL,
+            deletion.SET_DEFAULT,
+        ):
+            acting.append(rel)
+            continue
+        # PROTECT, RESTRICT, DO_NOTHING, SET(...): a referenced run stays
+        referencing = rel.related_model._base_manager.filter(**{f"{rel.field.name}__in": remaining})
+        held = set(referencing.values_list(rel.field.attname, flat=True))
+        if held:
+            report.kept["referenced"] = report.kept.get("referenced", 0) + len(held)
+            remaining = [pk for pk in remaining if pk not in held]
+    if not remaining:
+        return []
+    for rel in acting:
+        if rel.many_to_many:
+            through = rel.through
+            column = next(
+                f.name
+                for f in through._meta.fields
+                if getattr(f, "related_model", None) is WorkflowRun
+            )
+            through._base_manager.filter(**{f"{column}__in": remaining}).delete()
+            continue
+        name = rel.field.name
+        referencing = rel.related_model._base_manager.filter(**{f"{name}__in": remaining})
+        if rel.on_delete is deletion.CASCADE:
+            referencing.delete()
+        elif rel.on_delete is deletion.SET_NULL:
+            referencing.update(**{name: None})
+        else:
+            referencing.update(**{name: rel.field.get_default()})
+    return remaining
+
+
 def _lock(ids: list[Any], rule: Rule, now: datetime) -> list[Any]:
     qs = rule.runs(now).filter(pk__in=ids)
     if connection.features.has_select_for_update_skip_locked:
@@ -359,7 +432,10 @@ def _delete_batch(
         )
         if not rows:
             return []
-        keep = [pk for pk, _, _ in rows]
+        keep = _settle_other_relations([pk for pk, _, _ in rows], report)
+        if not keep:
+            return []
+        rows = [row for row in rows if row[0] in set(keep)]
         for label, model, column in DEPENDENTS:
             n = _raw_delete(model.objects.filter(**{f"{column}__in": keep}))
             report.rows[label] = report.rows.get(label, 0) + n

@@ -50,7 +50,11 @@ def _authorized(request: HttpRequest) -> bool:
         return False
     header = request.headers.get("Authorization", "")
     scheme, _, given = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), str(token))
+    # bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500)
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        given.strip().encode("utf-8", "surrogateescape"),
+        str(token).encode("utf-8", "surrogateescape"),
+    )
 
 
 def db_timeout_seconds() -> float:
@@ -164,8 +168,6 @@ def metrics(request: HttpRequest) -> HttpResponse:
         return _quiet(
             HttpResponse("# metrics unavailable\n", status=503, content_type=CONTENT_TYPE)
         )
-    response = HttpResponse(text, content_type=CONTENT_TYPE)
-    if not snap.database_ok:
-        response.status_code = 503
-        _quiet(response)
-    return response
+    # 200 even when the database is down: Prometheus drops the body of a non-2xx scrape, so
+    # `workflows_up 0` would never be stored and an alert on it could never fire.
+    return HttpResponse(text, content_type=CONTENT_TYPE)

@@ -507,7 +507,7 @@ def test_readiness_503_quickly_when_postgresql_is_unreachable(client: Client) ->
         scrape = client.get(reverse("workflows-health:metrics"))
     finally:
         settings_dict["PORT"] = port
-    assert scrape.status_code == 503
+    assert scrape.status_code == 200  # Prometheus keeps only a 2xx scrape's samples
     assert parse_exposition(scrape.content.decode())["workflows_up"]["samples"][()] == 0
     assert response.status_code == 503
     assert response.json()["failing"] == ["database"]
@@ -616,17 +616,34 @@ def test_metrics_token(client: Client, settings: Any) -> None:
     assert client.get(url, HTTP_AUTHORIZATION="Bearer s3cret").status_code == 200
 
 
-def test_metrics_503_when_the_database_fails(
+def test_metrics_say_workflows_up_0_with_200_when_the_database_fails(
     client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Prometheus drops the body of a non-2xx scrape: the sample an alert needs comes with 200."""
+
     def boom(clock: Any) -> Any:
         raise OperationalError("down")
 
     monkeypatch.setattr(state_module, "_read", boom)
     response = client.get(reverse("workflows-health:metrics"))
-    assert response.status_code == 503
+    assert response.status_code == 200
     families = parse_exposition(response.content.decode())
     assert families["workflows_up"]["samples"][()] == 0
+
+
+def test_a_non_ascii_token_is_refused_not_a_500(client: Client, settings: Any) -> None:
+    settings.DJANGO_WORKFLOWS = {**settings.DJANGO_WORKFLOWS, "HEALTH_TOKEN": "s3cret"}
+    for name in ("metrics", "ready"):
+        url = reverse(f"workflows-health:{name}")
+        response = client.get(url, HTTP_AUTHORIZATION="Bearer s3crét")
+        assert response.status_code in (401, 200, 503), name  # refused or numbers hidden
+        assert response.status_code != 500
+    assert (
+        client.get(
+            reverse("workflows-health:metrics"), HTTP_AUTHORIZATION="Bearer s3crét"
+        ).status_code
+        == 401
+    )
 
 
 def test_views_accept_get_only(client: Client) -> None:

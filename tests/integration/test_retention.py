@@ -197,6 +197,7 @@ def test_policy_per_workflow_over_default() -> None:
         ({"DAYS": {}}, "unknown keys DAYS"),
         ({"DEFAULT_DAYS": {"RUNNING": 3}}, "['DEFAULT_DAYS'] names 'RUNNING'"),
         ({"DEFAULT_DAYS": {"COMPLETED": -1}}, "['DEFAULT_DAYS']['COMPLETED'] must be"),
+        ({"DEFAULT_DAYS": {"COMPLETED": 1_000_000}}, "from 0 to 365000"),
         ({"DEFAULT_DAYS": {"COMPLETED": "30"}}, "['DEFAULT_DAYS']['COMPLETED'] must be"),
         ({"DEFAULT_DAYS": {"COMPLETED": True}}, "['DEFAULT_DAYS']['COMPLETED'] must be"),
         (
@@ -612,3 +613,41 @@ def test_live_statuses_are_every_run_status_but_the_terminal_ones() -> None:
 
     stage_or_job_only = {Status.SKIPPED, Status.HELD}
     assert set(Status.values) - TERMINAL_RUN_STATUSES - stage_or_job_only == set(LIVE_RUN_STATUSES)
+
+
+def test_another_apps_relation_to_runs_is_honoured(
+    kernel: Kernel, clock: FakeClock, monkeypatch: Any
+) -> None:
+    """A project's own ``ForeignKey`` to runs: ``PROTECT`` keeps the referenced run (the raw
+    deletes would otherwise leave a dangling reference that PostgreSQL refuses at commit,
+    failing every batch for good); the other runs of the batch still go. Stood in for by the
+    annotations' relation, as a project's model with ``on_delete=PROTECT``."""
+    from types import SimpleNamespace
+
+    from django.db.models import PROTECT
+
+    from django_workflows import retention as module
+
+    now = clock.now()
+    referenced = make_run(now)
+    free = make_run(now)
+    WorkflowAnnotation.objects.filter(run_id=free).delete()
+    protecting = SimpleNamespace(
+        many_to_many=False,
+        on_delete=PROTECT,
+        related_model=WorkflowAnnotation,
+        field=WorkflowAnnotation._meta.get_field("run"),
+    )
+    monkeypatch.setattr(module, "other_relations", lambda: [protecting])
+    report = prune(kernel=kernel, pol=parse_policy(POLICY))
+    assert WorkflowRun.objects.filter(pk=referenced).exists()
+    assert rows_of(referenced)["annotations"] == 1
+    assert not WorkflowRun.objects.filter(pk=free).exists()
+    assert report.runs == {"etl": {"COMPLETED": 1}}
+    assert report.kept["referenced"] == 1
+
+
+def test_the_engines_own_relations_are_not_other_relations() -> None:
+    from django_workflows.retention import other_relations
+
+    assert other_relations() == []  # the example project refers to runs from nowhere else
