@@ -30,8 +30,27 @@ metric                                  labels                     meaning
                                                                    SECONDS``
 ``workflows_runs_finished_window_``                                that window
 ``seconds``
+``workflows_stage_duration_window_``   ``workflow_id``,           p50 / p95 / max of the
+``seconds``                             ``stage_id``, ``quantile`` durations of stages finished
+                                                                   in the window (``quantile``
+                                                                   ``0.5``, ``0.95``, ``1``)
+``workflows_stage_duration_window_``    ``workflow_id``,           how many durations
+``samples``                             ``stage_id``
+``workflows_run_duration_window_``      ``workflow_id``,           the same of runs
+``seconds``                             ``quantile``
+``workflows_run_duration_window_``      ``workflow_id``            how many durations
+``samples``
+``workflows_duration_window_``                                     1 when more than 10,000 stages
+``truncated``                                                      or runs finished in the window
 ``workflows_scrape_duration_seconds``                              how long the snapshot took
 ======================================  =========================  ==============================
+
+Durations read at most the 10,000 newest stages and the 10,000 newest runs finished in the
+window (``DURATION_SAMPLE_LIMIT``; an index range and a LIMIT, however busy the window):
+nearest-rank percentiles of those. Retries and lease losses are OpenTelemetry counters only
+(``workflows.stage.retries``, ``workflows.stage.lease_losses``): the engine keeps no durable,
+indexed record of a retried delivery or a lost lease to count per window, and counting them
+here would need a write on the stage path.
 
 Rates of finished runs are gauges over a moving window, not counters: a durable counter would
 need a write on the stage path. ``rate()`` does not apply; divide by the window instead.
@@ -43,7 +62,7 @@ import math
 import time
 from collections.abc import Iterable
 
-from .state import StateSnapshot
+from .state import DURATION_SAMPLE_LIMIT, DurationState, StateSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -87,6 +106,17 @@ class _Writer:
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
+
+
+def _quantiles(rows: Iterable[DurationState], *, stage: bool) -> list[tuple[dict[str, str], float]]:
+    samples: list[tuple[dict[str, str], float]] = []
+    for d in rows:
+        labels = {"workflow_id": d.workflow_id}
+        if stage:
+            labels["stage_id"] = d.stage_id
+        for q, v in (("0.5", d.p50), ("0.95", d.p95), ("1", d.max)):
+            samples.append(({**labels, "quantile": q}, v))
+    return samples
 
 
 def render(snap: StateSnapshot, *, scrape_seconds: float | None = None) -> str:
@@ -168,6 +198,40 @@ def render(snap: StateSnapshot, *, scrape_seconds: float | None = None) -> str:
             "workflows_runs_finished_window_seconds",
             "The window of workflows_runs_finished_window, seconds.",
             [({}, snap.finished_window_seconds)],
+        )
+        note = (
+            f'(nearest rank; quantile="1" is the max; of at most the {DURATION_SAMPLE_LIMIT} '
+            "newest finished in the window)"
+        )
+        w.gauge(
+            "workflows_stage_duration_window_seconds",
+            "Durations of stages finished within the window per workflow and stage, seconds "
+            f"{note}.",
+            _quantiles(snap.stage_durations, stage=True),
+        )
+        w.gauge(
+            "workflows_stage_duration_window_samples",
+            "Stage durations behind workflows_stage_duration_window_seconds.",
+            [
+                ({"workflow_id": d.workflow_id, "stage_id": d.stage_id}, d.count)
+                for d in snap.stage_durations
+            ],
+        )
+        w.gauge(
+            "workflows_run_duration_window_seconds",
+            f"Durations of runs finished within the window per workflow, seconds {note}.",
+            _quantiles(snap.run_durations, stage=False),
+        )
+        w.gauge(
+            "workflows_run_duration_window_samples",
+            "Run durations behind workflows_run_duration_window_seconds.",
+            [({"workflow_id": d.workflow_id}, d.count) for d in snap.run_durations],
+        )
+        w.gauge(
+            "workflows_duration_window_truncated",
+            f"1 when the window held more than {DURATION_SAMPLE_LIMIT} finished stages or runs "
+            "(the durations describe the newest only).",
+            [({}, 1 if snap.duration_samples_truncated else 0)],
         )
     elapsed = scrape_seconds if scrape_seconds is not None else time.perf_counter() - started
     w.gauge(
