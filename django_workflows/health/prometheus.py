@@ -40,12 +40,12 @@ metric                                  labels                     meaning
 ``seconds``                             ``quantile``
 ``workflows_run_duration_window_``      ``workflow_id``            how many durations
 ``samples``
-``workflows_duration_window_``                                     1 when more than 10,000 stages
+``workflows_duration_window_``                                     1 when more than 5,000 stages
 ``truncated``                                                      or runs finished in the window
 ``workflows_scrape_duration_seconds``                              how long the snapshot took
 ======================================  =========================  ==============================
 
-Durations read at most the 10,000 newest stages and the 10,000 newest runs finished in the
+Durations read at most the 5,000 newest stages and the 5,000 newest runs finished in the
 window (``DURATION_SAMPLE_LIMIT``; an index range and a LIMIT, however busy the window):
 nearest-rank percentiles of those. Retries and lease losses are OpenTelemetry counters only
 (``workflows.stage.retries``, ``workflows.stage.lease_losses``): the engine keeps no durable,

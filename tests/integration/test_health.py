@@ -755,7 +755,7 @@ def test_durations_of_stages_and_runs_finished_in_the_window(client: Client, set
     response = client.get(reverse("workflows-health:metrics"))
     families = parse_exposition(response.content.decode())
     stage = families["workflows_stage_duration_window_seconds"]
-    assert stage["type"] == "gauge" and "10000 newest" in stage["help"]
+    assert stage["type"] == "gauge" and "5000 newest" in stage["help"]
     assert stage["samples"] == {
         (("workflow_id", "other"), ("stage_id", "fetch"), ("quantile", "0.5")): 10.0,
         (("workflow_id", "other"), ("stage_id", "fetch"), ("quantile", "0.95")): 19.0,
