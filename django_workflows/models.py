@@ -366,6 +366,13 @@ class WorkflowJob(models.Model):
                 name="wf_job_run_item_idx",
                 condition=models.Q(item_index__isnull=False),
             ),
+            # The health snapshot's redeliveries of the jobs finished in the last window
+            # (issue 20 item 2): an index range on the newest finished jobs.
+            models.Index(
+                fields=["completed_at"],
+                name="wf_job_completed_idx",
+                condition=models.Q(completed_at__isnull=False),
+            ),
         ]
 
     def __str__(self) -> str:

@@ -30,7 +30,7 @@ metric                                  labels                     meaning
                                                                    SECONDS``
 ``workflows_runs_finished_window_``                                that window
 ``seconds``
-``workflows_stage_duration_window_``   ``workflow_id``,           p50 / p95 / max of the
+``workflows_stage_duration_window_``    ``workflow_id``,           p50 / p95 / max of the
 ``seconds``                             ``stage_id``, ``quantile`` durations of stages finished
                                                                    in the window (``quantile``
                                                                    ``0.5``, ``0.95``, ``1``)
@@ -40,6 +40,8 @@ metric                                  labels                     meaning
 ``seconds``                             ``quantile``
 ``workflows_run_duration_window_``      ``workflow_id``            how many durations
 ``samples``
+``workflows_job_redeliveries_``          ``workflow_id``,           deliveries beyond the first of
+``window``                              ``stage_id``               jobs finished in the window
 ``workflows_duration_window_``                                     1 when more than 5,000 stages
 ``truncated``                                                      or runs finished in the window
 ``workflows_scrape_duration_seconds``                              how long the snapshot took
@@ -47,13 +49,10 @@ metric                                  labels                     meaning
 
 Durations read at most the 5,000 newest stages and the 5,000 newest runs finished in the
 window (``DURATION_SAMPLE_LIMIT``; an index range and a LIMIT, however busy the window):
-nearest-rank percentiles of those. Retries and lease losses are OpenTelemetry counters only
-(``workflows.stage.retries``, ``workflows.stage.lease_losses``): the engine keeps no durable,
-indexed record of a retried delivery or a lost lease to count per window, and counting them
-here would need a write on the stage path.
-
-Rates of finished runs are gauges over a moving window, not counters: a durable counter would
-need a write on the stage path. ``rate()`` does not apply; divide by the window instead.
+nearest-rank percentiles of those. Redeliveries are ``attempt - 1`` of the jobs finished in
+the window: retries, expired leases and graceful releases alike; the engine keeps no durable
+per-delivery record to split them (lease losses alone are the OpenTelemetry counter
+``workflows.stage.lease_losses``), and writing one would put SQL on the stage path.
 """
 
 from __future__ import annotations
@@ -226,6 +225,16 @@ def render(snap: StateSnapshot, *, scrape_seconds: float | None = None) -> str:
             "workflows_run_duration_window_samples",
             "Run durations behind workflows_run_duration_window_seconds.",
             [({"workflow_id": d.workflow_id}, d.count) for d in snap.run_durations],
+        )
+        w.gauge(
+            "workflows_job_redeliveries_window",
+            "Deliveries beyond the first of the jobs finished within the window, per workflow "
+            "and stage (retries after a failure, redeliveries after an expired lease or a "
+            "graceful stop; lease losses alone are an OpenTelemetry counter).",
+            [
+                ({"workflow_id": r.workflow_id, "stage_id": r.status}, r.count)
+                for r in snap.redeliveries
+            ],
         )
         w.gauge(
             "workflows_duration_window_truncated",

@@ -44,7 +44,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import DatabaseError, connection
-from django.db.models import Count, Min, OuterRef, Q, Subquery
+from django.db.models import Count, F, Min, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
 
 from ..conf import workflow_settings
@@ -175,6 +175,10 @@ class StateSnapshot:
             ``finished_window_seconds`` per workflow and stage (sorted), from at most the
             :data:`DURATION_SAMPLE_LIMIT` newest.
         run_durations: the same of runs per workflow (``stage_id`` ``""``).
+        redeliveries: deliveries beyond the first of the jobs finished within the window, per
+            workflow and stage (``FinishedState.status`` holds the ``stage_id``; sorted):
+            ``attempt - 1`` summed (failed deliveries retried, expired leases redelivered,
+            and deliveries released by a graceful stop alike).
         duration_samples_truncated: the window held more than :data:`DURATION_SAMPLE_LIMIT`
             finished stages or runs, so the durations describe only the newest.
     """
@@ -200,6 +204,7 @@ class StateSnapshot:
     stage_durations: list[DurationState] = field(default_factory=list)
     run_durations: list[DurationState] = field(default_factory=list)
     duration_samples_truncated: bool = False
+    redeliveries: list[FinishedState] = field(default_factory=list)
 
     @property
     def live_runs(self) -> int:
@@ -256,7 +261,7 @@ def empty_snapshot(taken_at: datetime, error: str) -> StateSnapshot:
 def snapshot(
     *, lease_clock: LeaseClock | None = None, statement_timeout_ms: int | None = None
 ) -> StateSnapshot:
-    """Read the engine's state (about eleven indexed queries, on the default connection).
+    """Read the engine's state (about twelve indexed queries, on the default connection).
 
     Args:
         lease_clock: whose time ages and expiries are judged in (default: the default
@@ -563,7 +568,14 @@ def _durations(since: datetime) -> dict[str, Any]:
     runs: dict[tuple[str, str], list[int]] = {}
     for wf, ms in run_rows[:limit]:
         runs.setdefault((wf, ""), []).append(ms)
+    redelivered = (
+        WorkflowJob.objects.filter(completed_at__gte=since, attempt__gt=1)
+        .order_by()
+        .values_list("workflow_id", "stage_id")
+        .annotate(n=Sum(F("attempt") - 1))
+    )
     return {
+        "redeliveries": [FinishedState(wf, st, n) for wf, st, n in sorted(redelivered)],
         "stage_durations": summarize(stages),
         "run_durations": summarize(runs),
         "duration_samples_truncated": len(stage_rows) > limit or len(run_rows) > limit,

@@ -801,6 +801,30 @@ def test_empty_database_declares_the_duration_families_without_samples(client: C
         "workflows_stage_duration_window_samples",
         "workflows_run_duration_window_seconds",
         "workflows_run_duration_window_samples",
+        "workflows_job_redeliveries_window",
     ):
         assert families[name]["type"] == "gauge" and families[name]["help"]
         assert families[name]["samples"] == {}
+
+
+def test_redeliveries_of_jobs_finished_in_the_window(client: Client) -> None:
+    now = db_now()
+
+    def finished(
+        stage_id: str, attempt: int, ago: float | None, status: str = Status.COMPLETED
+    ) -> None:
+        done = None if ago is None else now - timedelta(seconds=ago)
+        made = job(status=status, attempt=attempt, completed_at=done)
+        WorkflowJob.objects.filter(pk=made.pk).update(stage_id=stage_id)
+
+    finished("fetch", 3, 0)  # 2 deliveries beyond the first
+    finished("fetch", 2, 5, Status.FAILED)
+    finished("fetch", 1, 0)  # its first delivery only
+    finished('p"q', 4, 0)
+    finished("old", 9, 600)  # outside the window
+    finished("live", 5, None, Status.RUNNING)  # not finished: not counted yet
+    families = parse_exposition(client.get(reverse("workflows-health:metrics")).content.decode())
+    assert families["workflows_job_redeliveries_window"]["samples"] == {
+        (("workflow_id", "wf"), ("stage_id", "fetch")): 3.0,
+        (("workflow_id", "wf"), ("stage_id", 'p"q')): 3.0,
+    }
