@@ -232,7 +232,7 @@ def render(snap: StateSnapshot, *, scrape_seconds: float | None = None) -> str:
             "and stage (retries after a failure, redeliveries after an expired lease or a "
             "graceful stop; lease losses alone are an OpenTelemetry counter).",
             [
-                ({"workflow_id": r.workflow_id, "stage_id": r.status}, r.count)
+                ({"workflow_id": r.workflow_id, "stage_id": r.stage_id}, r.count)
                 for r in snap.redeliveries
             ],
         )

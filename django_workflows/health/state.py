@@ -108,6 +108,16 @@ class FinishedState:
 
 
 @dataclass(frozen=True)
+class RedeliveryState:
+    """``count`` deliveries beyond the first (``attempt - 1`` summed) of the jobs of
+    ``workflow_id`` / ``stage_id`` finished within the window."""
+
+    workflow_id: str
+    stage_id: str
+    count: int
+
+
+@dataclass(frozen=True)
 class DurationState:
     """Durations of the stages (``stage_id`` set) or runs (``stage_id`` ``""``) of
     ``workflow_id`` finished in the window: ``count`` samples, nearest-rank ``p50`` and
@@ -176,7 +186,7 @@ class StateSnapshot:
             :data:`DURATION_SAMPLE_LIMIT` newest.
         run_durations: the same of runs per workflow (``stage_id`` ``""``).
         redeliveries: deliveries beyond the first of the jobs finished within the window, per
-            workflow and stage (``FinishedState.status`` holds the ``stage_id``; sorted):
+            workflow and stage (sorted):
             ``attempt - 1`` summed (failed deliveries retried, expired leases redelivered,
             and deliveries released by a graceful stop alike).
         duration_samples_truncated: the window held more than :data:`DURATION_SAMPLE_LIMIT`
@@ -204,7 +214,7 @@ class StateSnapshot:
     stage_durations: list[DurationState] = field(default_factory=list)
     run_durations: list[DurationState] = field(default_factory=list)
     duration_samples_truncated: bool = False
-    redeliveries: list[FinishedState] = field(default_factory=list)
+    redeliveries: list[RedeliveryState] = field(default_factory=list)
 
     @property
     def live_runs(self) -> int:
@@ -575,7 +585,7 @@ def _durations(since: datetime) -> dict[str, Any]:
         .annotate(n=Sum(F("attempt") - 1))
     )
     return {
-        "redeliveries": [FinishedState(wf, st, n) for wf, st, n in sorted(redelivered)],
+        "redeliveries": [RedeliveryState(wf, st, n) for wf, st, n in sorted(redelivered)],
         "stage_durations": summarize(stages),
         "run_durations": summarize(runs),
         "duration_samples_truncated": len(stage_rows) > limit or len(run_rows) > limit,
