@@ -32,17 +32,42 @@ SELECT gen_random_uuid(), now() - i * interval '10 milliseconds' - interval '40 
 FROM generate_series(1, %(recent)s) AS i
 """
 
+#: Three finished stages of each recent run (the stage durations read the newest 10,000).
+RECENT_STAGES_SQL = """
+INSERT INTO workflow_stages (id, created_at, updated_at, version, run_id, stage_id, stage_name,
+    stage_number, execution_group, generation, status, started_at, completed_at, duration_ms,
+    progress_message, skip_reason)
+SELECT gen_random_uuid(), r.created_at, r.completed_at, 3, r.id, 's' || n, 's' || n, n, n, 0,
+    'COMPLETED', r.started_at, r.completed_at - (3 - n) * interval '10 seconds', 9000 + n, '', ''
+FROM workflow_runs r CROSS JOIN generate_series(0, 2) AS n
+WHERE r.workflow_name = 'recent' AND r.completed_at > now() - interval '1 hour'
+"""
+
+#: The jobs of those stages, one in ten delivered twice (the redeliveries read them).
+RECENT_JOBS_SQL = """
+INSERT INTO workflow_jobs (created_at, updated_at, workflow_run_id, workflow_id, stage_id,
+    status, priority, attempt, max_attempts, started_at, completed_at, payload,
+    run_created_at, queue, definition_version)
+SELECT s.created_at, s.completed_at, r.id, r.workflow_id, s.stage_id, 'COMPLETED', 5,
+    CASE WHEN s.stage_number = 1 AND r.event_sequence = 0 AND random() < 0.1 THEN 2 ELSE 1 END,
+    3, s.started_at, s.completed_at, '{}'::jsonb, r.created_at, 'default', ''
+FROM workflow_stages s JOIN workflow_runs r ON r.id = s.run_id
+WHERE r.workflow_name = 'recent' AND r.completed_at > now() - interval '1 hour'
+"""
+
 
 def add_recent_and_presence(recent: int = 30_000, workers: int = 8) -> None:
     """``recent`` runs finished over the last ``recent / 100`` seconds (100 runs/s: the
-    window's gauge reads them), and ``workers`` live worker processes on queues ``default``
-    and ``batch`` with one holding the ticker lease."""
+    window's gauge reads them) with three finished stages and jobs each, and ``workers`` live worker
+    processes on queues ``default`` and ``batch`` with one holding the ticker lease."""
     from django.db import connection
 
     from django_workflows.kernel.routing import _presence_name
 
     with connection.cursor() as cursor:
         cursor.execute(RECENT_SQL, {"recent": int(recent)})
+        cursor.execute(RECENT_STAGES_SQL)
+        cursor.execute(RECENT_JOBS_SQL)
         for n in range(workers):
             worker = f"worker-bench-{n}-abcdef"
             for queue in ("default", "batch"):
@@ -62,6 +87,8 @@ def add_recent_and_presence(recent: int = 30_000, workers: int = 8) -> None:
             "ON CONFLICT (name) DO NOTHING"
         )
         cursor.execute("ANALYZE workflow_runs")
+        cursor.execute("ANALYZE workflow_stages")
+        cursor.execute("ANALYZE workflow_jobs")
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -30,11 +30,29 @@ metric                                  labels                     meaning
                                                                    SECONDS``
 ``workflows_runs_finished_window_``                                that window
 ``seconds``
+``workflows_stage_duration_window_``    ``workflow_id``,           p50 / p95 / max of the
+``seconds``                             ``stage_id``, ``quantile`` durations of stages finished
+                                                                   in the window (``quantile``
+                                                                   ``0.5``, ``0.95``, ``1``)
+``workflows_stage_duration_window_``    ``workflow_id``,           how many durations
+``samples``                             ``stage_id``
+``workflows_run_duration_window_``      ``workflow_id``,           the same of runs
+``seconds``                             ``quantile``
+``workflows_run_duration_window_``      ``workflow_id``            how many durations
+``samples``
+``workflows_job_redeliveries_``          ``workflow_id``,           deliveries beyond the first of
+``window``                              ``stage_id``               jobs finished in the window
+``workflows_duration_window_``                                     1 when more than 5,000 stages
+``truncated``                                                      or runs finished in the window
 ``workflows_scrape_duration_seconds``                              how long the snapshot took
 ======================================  =========================  ==============================
 
-Rates of finished runs are gauges over a moving window, not counters: a durable counter would
-need a write on the stage path. ``rate()`` does not apply; divide by the window instead.
+Durations read at most the 5,000 newest stages and the 5,000 newest runs finished in the
+window (``DURATION_SAMPLE_LIMIT``; an index range and a LIMIT, however busy the window):
+nearest-rank percentiles of those. Redeliveries are ``attempt - 1`` of the jobs finished in
+the window: retries, expired leases and graceful releases alike; the engine keeps no durable
+per-delivery record to split them (lease losses alone are the OpenTelemetry counter
+``workflows.stage.lease_losses``), and writing one would put SQL on the stage path.
 """
 
 from __future__ import annotations
@@ -43,7 +61,7 @@ import math
 import time
 from collections.abc import Iterable
 
-from .state import StateSnapshot
+from .state import DURATION_SAMPLE_LIMIT, DurationState, StateSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -87,6 +105,17 @@ class _Writer:
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
+
+
+def _quantiles(rows: Iterable[DurationState], *, stage: bool) -> list[tuple[dict[str, str], float]]:
+    samples: list[tuple[dict[str, str], float]] = []
+    for d in rows:
+        labels = {"workflow_id": d.workflow_id}
+        if stage:
+            labels["stage_id"] = d.stage_id
+        for q, v in (("0.5", d.p50), ("0.95", d.p95), ("1", d.max)):
+            samples.append(({**labels, "quantile": q}, v))
+    return samples
 
 
 def render(snap: StateSnapshot, *, scrape_seconds: float | None = None) -> str:
@@ -168,6 +197,50 @@ def render(snap: StateSnapshot, *, scrape_seconds: float | None = None) -> str:
             "workflows_runs_finished_window_seconds",
             "The window of workflows_runs_finished_window, seconds.",
             [({}, snap.finished_window_seconds)],
+        )
+        note = (
+            f'(nearest rank; quantile="1" is the max; of at most the {DURATION_SAMPLE_LIMIT} '
+            "newest finished in the window)"
+        )
+        w.gauge(
+            "workflows_stage_duration_window_seconds",
+            "Durations of stages finished within the window per workflow and stage, seconds "
+            f"{note}.",
+            _quantiles(snap.stage_durations, stage=True),
+        )
+        w.gauge(
+            "workflows_stage_duration_window_samples",
+            "Stage durations behind workflows_stage_duration_window_seconds.",
+            [
+                ({"workflow_id": d.workflow_id, "stage_id": d.stage_id}, d.count)
+                for d in snap.stage_durations
+            ],
+        )
+        w.gauge(
+            "workflows_run_duration_window_seconds",
+            f"Durations of runs finished within the window per workflow, seconds {note}.",
+            _quantiles(snap.run_durations, stage=False),
+        )
+        w.gauge(
+            "workflows_run_duration_window_samples",
+            "Run durations behind workflows_run_duration_window_seconds.",
+            [({"workflow_id": d.workflow_id}, d.count) for d in snap.run_durations],
+        )
+        w.gauge(
+            "workflows_job_redeliveries_window",
+            "Deliveries beyond the first of the jobs finished within the window, per workflow "
+            "and stage (retries after a failure, redeliveries after an expired lease or a "
+            "graceful stop; lease losses alone are an OpenTelemetry counter).",
+            [
+                ({"workflow_id": r.workflow_id, "stage_id": r.stage_id}, r.count)
+                for r in snap.redeliveries
+            ],
+        )
+        w.gauge(
+            "workflows_duration_window_truncated",
+            f"1 when the window held more than {DURATION_SAMPLE_LIMIT} finished stages or runs "
+            "(the durations describe the newest only).",
+            [({}, 1 if snap.duration_samples_truncated else 0)],
         )
     elapsed = scrape_seconds if scrape_seconds is not None else time.perf_counter() - started
     w.gauge(

@@ -44,7 +44,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import DatabaseError, connection
-from django.db.models import Count, Min, Q
+from django.db.models import Count, F, Min, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
 
 from ..conf import workflow_settings
@@ -55,6 +55,7 @@ from ..models import (
     WorkflowJob,
     WorkflowRun,
     WorkflowSchedule,
+    WorkflowStage,
     WorkflowWorkerVersions,
 )
 
@@ -66,6 +67,10 @@ if TYPE_CHECKING:
 LIVE_RUN_STATUSES = (Status.PENDING, Status.RUNNING)
 #: Terminal run statuses counted in :attr:`StateSnapshot.finished_recently`.
 FINISHED_RUN_STATUSES = (Status.COMPLETED, Status.FAILED, Status.CANCELLED)
+#: At most this many of the newest stages / runs finished in the window are read for the
+#: duration summaries (:attr:`StateSnapshot.stage_durations`, ``run_durations``): an index
+#: range bounded by a LIMIT, however busy the window was.
+DURATION_SAMPLE_LIMIT = 5_000
 TICKER_LEASE = "ticker"
 TICKER_SUFFIX = "-ticker"
 PRESENCE_PREFIX = "worker:"
@@ -103,6 +108,45 @@ class FinishedState:
 
 
 @dataclass(frozen=True)
+class RedeliveryState:
+    """``count`` deliveries beyond the first (``attempt - 1`` summed) of the jobs of
+    ``workflow_id`` / ``stage_id`` finished within the window."""
+
+    workflow_id: str
+    stage_id: str
+    count: int
+
+
+@dataclass(frozen=True)
+class DurationState:
+    """Durations of the stages (``stage_id`` set) or runs (``stage_id`` ``""``) of
+    ``workflow_id`` finished in the window: ``count`` samples, nearest-rank ``p50`` and
+    ``p95`` and the ``max``, seconds."""
+
+    workflow_id: str
+    stage_id: str
+    count: int
+    p50: float
+    p95: float
+    max: float
+
+
+def summarize(
+    samples: dict[tuple[str, str], list[int]],
+) -> list[DurationState]:
+    """:class:`DurationState` rows, sorted by key, of ``{(workflow_id, stage_id): [duration
+    ms, ...]}`` (nearest-rank percentiles: the ``ceil(q * n)``-th smallest)."""
+    out = []
+    for (wf, stage), values in sorted(samples.items()):
+        ordered = sorted(values)
+        n = len(ordered)
+        # ceil(percent * n / 100) in integers (no float rounding at 0.95 * n).
+        p50, p95 = (ordered[max(0, -(-pct * n // 100) - 1)] / 1000.0 for pct in (50, 95))
+        out.append(DurationState(wf, stage, n, p50, p95, ordered[-1] / 1000.0))
+    return out
+
+
+@dataclass(frozen=True)
 class StateSnapshot:
     """The engine's state at ``taken_at`` (the lease clock: the database's clock).
 
@@ -137,6 +181,16 @@ class StateSnapshot:
             been missing: since the latest ticker lease expired (or its holder's process
             stopped advertising), at most the oldest live run's age (a released lease:
             that age); ``None`` when the ticker is live or no run is live.
+        stage_durations: durations of the stages finished within
+            ``finished_window_seconds`` per workflow and stage (sorted), from at most the
+            :data:`DURATION_SAMPLE_LIMIT` newest.
+        run_durations: the same of runs per workflow (``stage_id`` ``""``).
+        redeliveries: deliveries beyond the first of the jobs finished within the window, per
+            workflow and stage (sorted):
+            ``attempt - 1`` summed (failed deliveries retried, expired leases redelivered,
+            and deliveries released by a graceful stop alike).
+        duration_samples_truncated: the window held more than :data:`DURATION_SAMPLE_LIMIT`
+            finished stages or runs, so the durations describe only the newest.
     """
 
     taken_at: datetime
@@ -157,6 +211,10 @@ class StateSnapshot:
     database_error: str = ""
     oldest_live_run_age_seconds: float | None = None
     ticker_missing_seconds: float | None = None
+    stage_durations: list[DurationState] = field(default_factory=list)
+    run_durations: list[DurationState] = field(default_factory=list)
+    duration_samples_truncated: bool = False
+    redeliveries: list[RedeliveryState] = field(default_factory=list)
 
     @property
     def live_runs(self) -> int:
@@ -213,7 +271,7 @@ def empty_snapshot(taken_at: datetime, error: str) -> StateSnapshot:
 def snapshot(
     *, lease_clock: LeaseClock | None = None, statement_timeout_ms: int | None = None
 ) -> StateSnapshot:
-    """Read the engine's state (about nine indexed queries, on the default connection).
+    """Read the engine's state (about twelve indexed queries, on the default connection).
 
     Args:
         lease_clock: whose time ages and expiries are judged in (default: the default
@@ -481,7 +539,57 @@ def _finished(now: datetime) -> dict[str, Any]:
         .annotate(n=Count("id"))
     )
     found = [FinishedState(wf, status, n) for wf, status, n in sorted(rows)]
-    return {"finished_recently": found, "finished_window_seconds": window}
+    return {
+        "finished_recently": found,
+        "finished_window_seconds": window,
+        **_durations(now - timedelta(seconds=window)),
+    }
+
+
+def _durations(since: datetime) -> dict[str, Any]:
+    """Stage and run durations of those finished since ``since``: two statements, each an
+    index range (``wf_stage_completed_idx`` / ``wf_run_completed_idx``, newest first) stopped
+    by a LIMIT of :data:`DURATION_SAMPLE_LIMIT` rows (a stage's workflow: one probe of the
+    runs' primary key per stage read)."""
+    limit = DURATION_SAMPLE_LIMIT
+    # The stage's workflow by a correlated probe of the runs' primary key per row read: a
+    # plain join lets PostgreSQL hash-join a sequential scan of every run instead.
+    workflow_of_run = (
+        WorkflowRun.objects.filter(pk=OuterRef("run_id")).order_by().values("workflow_id")
+    )
+    stage_rows = list(
+        WorkflowStage.objects.filter(completed_at__gte=since, duration_ms__isnull=False)
+        .annotate(wf=Subquery(workflow_of_run[:1]))
+        .order_by("-completed_at")
+        .values_list("wf", "stage_id", "duration_ms")[: limit + 1]
+    )
+    run_rows = list(
+        WorkflowRun.objects.filter(
+            completed_at__gte=since,
+            duration_ms__isnull=False,
+            status__in=FINISHED_RUN_STATUSES,
+        )
+        .order_by("-completed_at")
+        .values_list("workflow_id", "duration_ms")[: limit + 1]
+    )
+    stages: dict[tuple[str, str], list[int]] = {}
+    for wf, stage, ms in stage_rows[:limit]:
+        stages.setdefault((wf, stage), []).append(ms)
+    runs: dict[tuple[str, str], list[int]] = {}
+    for wf, ms in run_rows[:limit]:
+        runs.setdefault((wf, ""), []).append(ms)
+    redelivered = (
+        WorkflowJob.objects.filter(completed_at__gte=since, attempt__gt=1)
+        .order_by()
+        .values_list("workflow_id", "stage_id")
+        .annotate(n=Sum(F("attempt") - 1))
+    )
+    return {
+        "redeliveries": [RedeliveryState(wf, st, n) for wf, st, n in sorted(redelivered)],
+        "stage_durations": summarize(stages),
+        "run_durations": summarize(runs),
+        "duration_samples_truncated": len(stage_rows) > limit or len(run_rows) > limit,
+    }
 
 
 def register_gauges(meter: Any, *, max_age_seconds: float = 1.0) -> list[Any]:

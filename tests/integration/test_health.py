@@ -40,6 +40,7 @@ from django_workflows.models import (
     WorkflowJob,
     WorkflowRun,
     WorkflowSchedule,
+    WorkflowStage,
     WorkflowWorkerVersions,
 )
 from tests.markers import ON_POSTGRES
@@ -731,3 +732,116 @@ def test_label_values_are_escaped_and_parse_back() -> None:
     families = parse_exposition(text)
     assert families["workflows_queue_ready_jobs"]["samples"] == {(("queue", odd),): 3.0}
     assert families["workflows_queue_oldest_ready_age_seconds"]["samples"][(("queue", odd),)] == 2.5
+
+
+def finished_stage(parent: WorkflowRun, stage_id: str, ms: int, ago: float) -> None:
+    """A stage of ``parent`` that finished ``ago`` seconds ago (database clock) after ``ms``."""
+    now = db_now()
+    WorkflowStage.objects.create(
+        run=parent,
+        created_at=now,
+        updated_at=now,
+        stage_id=stage_id,
+        stage_name=stage_id,
+        stage_number=parent.stages.count(),
+        execution_group=0,
+        status=Status.COMPLETED,
+        completed_at=now - timedelta(seconds=ago),
+        duration_ms=ms,
+    )
+
+
+def test_durations_of_stages_and_runs_finished_in_the_window(client: Client, settings: Any) -> None:
+    settings.DJANGO_WORKFLOWS = {**settings.DJANGO_WORKFLOWS, "HEALTH_FINISHED_WINDOW_SECONDS": 60}
+    odd = 'wf "x"\\y\nz'
+    r1 = run(Status.COMPLETED, workflow=odd, completed_at=db_now(), duration_ms=4000)
+    run(Status.FAILED, workflow=odd, completed_at=db_now() - timedelta(seconds=5), duration_ms=2000)
+    run(
+        Status.COMPLETED,
+        workflow=odd,
+        completed_at=db_now() - timedelta(seconds=600),
+        duration_ms=9,
+    )
+    run(Status.RUNNING, workflow=odd, duration_ms=None)
+    # 20 "fetch" stages of 1..20 s in the window: p50 = 10th smallest, p95 = 19th, max 20.
+    runs = [run(Status.COMPLETED, workflow="other") for _ in range(20)]
+    for i, parent in enumerate(runs, start=1):
+        finished_stage(parent, "fetch", i * 1000, ago=i)
+    finished_stage(r1, "fetch", 999_000, ago=600)  # outside the window
+    finished_stage(r1, 'st"1', 250, ago=1)
+    response = client.get(reverse("workflows-health:metrics"))
+    families = parse_exposition(response.content.decode())
+    stage = families["workflows_stage_duration_window_seconds"]
+    assert stage["type"] == "gauge" and "5000 newest" in stage["help"]
+    assert stage["samples"] == {
+        (("workflow_id", "other"), ("stage_id", "fetch"), ("quantile", "0.5")): 10.0,
+        (("workflow_id", "other"), ("stage_id", "fetch"), ("quantile", "0.95")): 19.0,
+        (("workflow_id", "other"), ("stage_id", "fetch"), ("quantile", "1")): 20.0,
+        (("workflow_id", odd), ("stage_id", 'st"1'), ("quantile", "0.5")): 0.25,
+        (("workflow_id", odd), ("stage_id", 'st"1'), ("quantile", "0.95")): 0.25,
+        (("workflow_id", odd), ("stage_id", 'st"1'), ("quantile", "1")): 0.25,
+    }
+    assert families["workflows_stage_duration_window_samples"]["samples"] == {
+        (("workflow_id", "other"), ("stage_id", "fetch")): 20.0,
+        (("workflow_id", odd), ("stage_id", 'st"1')): 1.0,
+    }
+    # Runs: the two of ``odd`` in the window (2 s, 4 s); the "other" runs have no duration.
+    assert families["workflows_run_duration_window_seconds"]["samples"] == {
+        (("workflow_id", odd), ("quantile", "0.5")): 2.0,
+        (("workflow_id", odd), ("quantile", "0.95")): 4.0,
+        (("workflow_id", odd), ("quantile", "1")): 4.0,
+    }
+    assert families["workflows_run_duration_window_samples"]["samples"] == {
+        (("workflow_id", odd),): 2.0
+    }
+    assert families["workflows_duration_window_truncated"]["samples"] == {(): 0.0}
+
+
+def test_durations_read_at_most_the_newest_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(state_module, "DURATION_SAMPLE_LIMIT", 3)
+    for i in range(5):
+        run(
+            Status.COMPLETED,
+            completed_at=db_now() - timedelta(seconds=i),
+            duration_ms=(i + 1) * 1000,
+        )
+    snap = snapshot()
+    # The 3 newest: 1, 2, 3 s.
+    assert snap.run_durations == [state_module.DurationState("wf", "", 3, 2.0, 3.0, 3.0)]
+    assert snap.duration_samples_truncated
+
+
+def test_empty_database_declares_the_duration_families_without_samples(client: Client) -> None:
+    families = parse_exposition(client.get(reverse("workflows-health:metrics")).content.decode())
+    for name in (
+        "workflows_stage_duration_window_seconds",
+        "workflows_stage_duration_window_samples",
+        "workflows_run_duration_window_seconds",
+        "workflows_run_duration_window_samples",
+        "workflows_job_redeliveries_window",
+    ):
+        assert families[name]["type"] == "gauge" and families[name]["help"]
+        assert families[name]["samples"] == {}
+
+
+def test_redeliveries_of_jobs_finished_in_the_window(client: Client) -> None:
+    now = db_now()
+
+    def finished(
+        stage_id: str, attempt: int, ago: float | None, status: str = Status.COMPLETED
+    ) -> None:
+        done = None if ago is None else now - timedelta(seconds=ago)
+        made = job(status=status, attempt=attempt, completed_at=done)
+        WorkflowJob.objects.filter(pk=made.pk).update(stage_id=stage_id)
+
+    finished("fetch", 3, 0)  # 2 deliveries beyond the first
+    finished("fetch", 2, 5, Status.FAILED)
+    finished("fetch", 1, 0)  # its first delivery only
+    finished('p"q', 4, 0)
+    finished("old", 9, 600)  # outside the window
+    finished("live", 5, None, Status.RUNNING)  # not finished: not counted yet
+    families = parse_exposition(client.get(reverse("workflows-health:metrics")).content.decode())
+    assert families["workflows_job_redeliveries_window"]["samples"] == {
+        (("workflow_id", "wf"), ("stage_id", "fetch")): 3.0,
+        (("workflow_id", "wf"), ("stage_id", 'p"q')): 3.0,
+    }

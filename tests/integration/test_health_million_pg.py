@@ -55,7 +55,7 @@ def test_snapshot_and_metrics_at_a_million_runs() -> None:
     assert result["seq_scans"] == [], "\n".join(
         s["plan"] for s in result["statements"] if "Seq Scan" in s["plan"]
     )
-    assert len(result["statements"]) == 8  # and the clock's SELECT CURRENT_TIMESTAMP
+    assert len(result["statements"]) == 11  # and the clock's SELECT CURRENT_TIMESTAMP
     assert result["slowest_statement_ms"] < MAX_STATEMENT_MS, result["statements"]
     assert result["snapshot_p95_ms"] < MAX_SNAPSHOT_P95_MS
     snap = result["snapshot"]
