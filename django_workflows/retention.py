@@ -280,13 +280,14 @@ def prunable(qs: QuerySet[WorkflowRun]) -> QuerySet[WorkflowRun]:
 class PruneReport:
     """What one :func:`prune` did (or, with ``dry_run``, would do).
 
-    ``runs``: ``{workflow_id: {status: n}}`` pruned (or prunable); ``kept``: ``{"undelivered":
-    n, "live_family": n}`` (and ``"referenced"``: held by another app's ``PROTECT`` /
-    ``RESTRICT`` / ``DO_NOTHING`` relation, counted when a batch meets them) aged-out runs kept (dry run: counted; otherwise the ones met in
-    this call); ``rows``: rows deleted per table (dry run: none); ``django_q_tasks`` /
-    ``idempotency_keys``: rows deleted (dry run: that would be); ``batches``: transactions
-    committed; ``seconds``: wall time; ``complete``: nothing prunable was left when it stopped
-    (false after ``max_runs``, a stop request, or ``max_batches``).
+    ``runs``: ``{workflow_id: {status: n}}`` pruned (or prunable); ``kept``: aged-out runs
+    kept, ``{"undelivered": n, "live_family": n}`` (dry run: counted; otherwise the ones met
+    in this call) and ``"referenced"`` (held by another app's ``PROTECT`` / ``RESTRICT`` /
+    ``DO_NOTHING`` relation, counted when a batch meets them); ``rows``: rows deleted per
+    table (dry run: none); ``django_q_tasks`` / ``idempotency_keys``: rows deleted (dry run:
+    that would be); ``batches``: transactions committed; ``seconds``: wall time;
+    ``complete``: nothing prunable was left when it stopped (false after ``max_runs``, a stop
+    request, or ``max_batches``).
     """
 
     dry_run: bool = False
