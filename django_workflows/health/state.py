@@ -582,7 +582,7 @@ def _durations(since: datetime) -> dict[str, Any]:
         WorkflowJob.objects.filter(completed_at__gte=since, attempt__gt=1)
         .order_by()
         .values_list("workflow_id", "stage_id")
-        .annotate(n=Sum(F("attempt") - 1))
+        .annotate(n=Sum(F("attempt") - 1))  # a job's deliveries beyond its first
     )
     return {
         "redeliveries": [RedeliveryState(wf, st, n) for wf, st, n in sorted(redelivered)],
