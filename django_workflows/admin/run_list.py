@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.contrib import admin
@@ -124,21 +124,68 @@ class CreatedFilter(admin.SimpleListFilter):
 
 
 class FinishedFilter(admin.SimpleListFilter):
-    """Runs finished (``completed_at``) in the last hour / 24 hours / 7 / 30 days: the windows
-    of the dashboard, whose links use it (served by ``wf_run_completed_idx``)."""
+    """Runs finished (``completed_at``) in the last hour / 24 hours / 7 / 30 days, or in an exact
+    range ``?finished=<start>/<end>`` (ISO 8601 UTC, ``start`` included, ``end`` excluded; see
+    :func:`finished_range`): the dashboard's links give the range of the buckets they count, so
+    the list shows the same runs (served by ``wf_run_completed_idx``). A range that does not
+    parse, or ends before it starts, is an
+    :class:`~django.contrib.admin.options.IncorrectLookupParameters` (the admin's "?e=1")."""
 
     title = "finished"
     parameter_name = "finished"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [(key, label) for key, (label, _) in CreatedFilter.RANGES.items()]
+        choices = [(key, label) for key, (label, _) in CreatedFilter.RANGES.items()]
+        value = self.value()
+        if value and value not in CreatedFilter.RANGES:  # a range: shown while it is in use
+            bounds = parse_finished_range(value)
+            if bounds:
+                start, end = (timezone.localtime(b).strftime("%Y-%m-%d %H:%M") for b in bounds)
+                choices.append((value, f"{start} to {end}"))
+        return choices
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any] | None:
         value = self.value()
+        if not value:
+            return None
         if value in CreatedFilter.RANGES:
             since = timezone.now() - CreatedFilter.RANGES[value][1]
             return queryset.filter(completed_at__gte=since)
+        bounds = parse_finished_range(value)
+        if bounds is None:
+            from django.contrib.admin.options import IncorrectLookupParameters
+
+            raise IncorrectLookupParameters(f"finished={value[:80]!r} is not a range")
+        return queryset.filter(completed_at__gte=bounds[0], completed_at__lt=bounds[1])
+
+
+#: How :func:`finished_range` writes an instant (UTC, to the second).
+RANGE_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def finished_range(start: datetime, end: datetime) -> str:
+    """The ``?finished=`` value of the runs finished in ``[start, end)`` (aware datetimes):
+    ``"2026-12-02T11:00:00Z/2026-12-03T11:00:00Z"`` (to the second; the dashboard's bucket
+    boundaries are whole seconds)."""
+    return "/".join(b.astimezone(UTC).strftime(RANGE_FORMAT) for b in (start, end))
+
+
+def parse_finished_range(value: str) -> tuple[datetime, datetime] | None:
+    """``(start, end)`` (aware, UTC) of a :func:`finished_range` value, ``None`` when it is not
+    two ISO 8601 instants with ``start < end`` (an instant without an offset is UTC)."""
+    from django.utils.dateparse import parse_datetime
+
+    parts = value.split("/")
+    if len(parts) != 2:
         return None
+    try:
+        bounds = [parse_datetime(p.strip()) for p in parts]
+    except ValueError:  # well formed but out of range (month 13)
+        return None
+    if bounds[0] is None or bounds[1] is None:
+        return None
+    start, end = (b if b.tzinfo else b.replace(tzinfo=UTC) for b in bounds)
+    return (start, end) if start < end else None
 
 
 class FailedStageFilter(admin.SimpleListFilter):

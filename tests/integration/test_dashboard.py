@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import urlencode
 
 import pytest
 from django.db import connection
@@ -214,11 +215,39 @@ def test_the_wider_window_and_the_workflow_filter(known: dict[str, Any]) -> None
 
 
 def test_the_sample_bounds_the_percentiles(known: dict[str, Any], monkeypatch: Any) -> None:
-    monkeypatch.setattr(dashboard, "SAMPLE_RUNS", 4)  # 11 runs in 24 buckets: 1 per bucket
+    monkeypatch.setattr(dashboard, "SAMPLE_RUNS", 4)  # 11 runs in two buckets (6 and 5)
     data = build_dashboard("24h", None, now=known["now"])
-    assert not data.sample_exact and data.sampled_runs == 2  # two buckets hold runs
-    assert sum(s.count for s in data.stages) <= 2 * 2  # two stages per sampled run at most
+    assert not data.sample_exact and data.sampled_runs == 4  # 2 + 2 of 6 + 5
+    assert sum(s.count for s in data.stages) <= 4 * 2  # two stages per sampled run at most
     assert data.total.total == 11  # the throughput is still exact
+
+
+def test_sample_sizes_follow_the_runs_of_each_bucket() -> None:
+    assert dashboard.sample_sizes([3, 0, 2], 10) == [3, 0, 2]  # everything: exact
+    assert dashboard.sample_sizes([900, 0, 100], 10) == [9, 0, 1]
+    sizes = dashboard.sample_sizes([5, 5, 5], 4)  # largest remainders, the earliest first
+    assert sizes == [2, 1, 1] and sum(sizes) == 4
+    sizes = dashboard.sample_sizes([1000] + [1] * 29, 1000)
+    assert sum(sizes) == 1000 and sizes[0] >= 970  # a quiet bucket is not worth 1/30th
+
+
+def test_sampled_percentiles_weigh_each_bucket_by_its_runs(monkeypatch: Any) -> None:
+    """A busy hour of fast stages and a quiet hour of slow ones: the sample takes runs in
+    proportion, so the median is the busy hour's. (Sampling each bucket equally - the old
+    behaviour - gave the quiet hour half the weight: a median of 5.5 s.)"""
+    now = datetime(2026, 12, 3, 10, 30, tzinfo=UTC)
+    busy, quiet = now - timedelta(hours=3), now - timedelta(hours=6)
+    for i in range(18):
+        run_row("dash-w", Status.COMPLETED, busy - timedelta(seconds=i), stages={"s": 1000})
+    for i in range(2):
+        run_row("dash-w", Status.COMPLETED, quiet - timedelta(seconds=i), stages={"s": 10_000})
+    monkeypatch.setattr(dashboard, "SAMPLE_RUNS", 10)
+    data = build_dashboard("24h", None, now=now)
+    (stat,) = data.stages
+    assert stat.p50 == 1000  # equal weights: one run of each bucket, a median of 5.5 s
+    assert not data.sample_exact and data.sampled_runs == 10  # 9 of the busy hour, 1 quiet
+    assert stat.count == 10 and stat.max == 10_000
+    assert stat.p95 == pytest.approx(5950)  # 9 x 1 s and 1 x 10 s: 1000 + 0.55 * 9000
 
 
 def test_the_page_shows_the_numbers(admin_client: Client, known: dict[str, Any]) -> None:
@@ -230,10 +259,10 @@ def test_the_page_shows_the_numbers(admin_client: Client, known: dict[str, Any])
     assert "<title" in html and "11 runs finished, 4 failed." in html
     assert 'id="dw-chart-total"' in html and "COMPLETED</title>" in html
     assert 'class="dw-window dw-current" data-window="24h"' in html
-    failing = response.context["dw"].failing
-    assert failing[0].url.endswith(
-        "?workflow_id=dash-b&status=FAILED&finished=24h&failed_stage=fetch"
-    )
+    data = response.context["dw"]
+    failing = data.failing
+    span = "finished=" + data.window.finished_range()
+    assert failing[0].url.endswith(f"?workflow_id=dash-b&status=FAILED&{span}&failed_stage=fetch")
     assert failing[0].url in html.replace("&amp;", "&")
     # the session and user, then five reads of the dashboard and the workflow list's none
     reads = [q["sql"] for q in queries.captured_queries if "django_session" not in q["sql"]]
@@ -262,6 +291,53 @@ def test_the_links_lead_to_the_filtered_run_list(
     assert reverse(URL) in changelist.content.decode()
     index = admin_client.get(reverse("admin:index")).content.decode()
     assert reverse(URL) in index  # an entry in the app list
+
+
+def test_the_links_cover_the_buckets_they_count(admin_client: Client) -> None:
+    """The run list behind a link holds exactly the runs the row counts: the window's buckets
+    (aligned to the hour, so the first starts less than 24 hours ago) - not the runs of the
+    last 24 hours from now, which takes in runs finished before the first bucket."""
+    now = timezone.now()
+    window = make_window("24h", now)
+    before = window.start - timedelta(milliseconds=1)  # not in the window, in the last 24 h
+    assert before > now - timedelta(hours=24)
+    run_row("dash-l", Status.FAILED, window.start + timedelta(seconds=1), failed_stage="charge")
+    run_row("dash-l", Status.FAILED, now - timedelta(minutes=1), failed_stage="charge")
+    run_row("dash-l", Status.FAILED, before, failed_stage="charge")
+    response = admin_client.get(reverse(URL))
+    data = response.context["dw"]
+    assert data.window.start == window.start
+    (failing,) = data.failing
+    assert failing.failed == 2
+    start, end = (b.strftime("%Y-%m-%dT%H:%M:%SZ") for b in (window.start, window.end))
+    assert f"finished={start}/{end}" in failing.url
+    listed = admin_client.get(failing.url).context["cl"]
+    assert listed.result_count == 2  # "the last 24 hours" listed 3
+    runs = admin_client.get(response.context["dw_runs_url"]).context["cl"]
+    assert runs.result_count == 2
+    # each bucket of the table links to its own runs
+    html = response.content.decode().replace("&amp;", "&")
+    bucket = window.finished_range(0)
+    assert f"finished={bucket}" in html
+    one = admin_client.get(
+        reverse("admin:django_workflows_workflowrun_changelist")
+        + "?"
+        + urlencode({"finished": bucket})
+    )
+    assert one.context["cl"].result_count == 1
+    assert f"{timezone.localtime(window.start):%Y-%m-%d %H:%M} to" in one.content.decode()
+
+
+@pytest.mark.parametrize(
+    "value", ["2026-12-03T11:00:00Z", "2026-12-03T11:00:00Z/2026-12-02T11:00:00Z", "x/y"]
+)
+def test_a_bad_finished_range_is_an_error(admin_client: Client, value: str) -> None:
+    response = admin_client.get(
+        reverse("admin:django_workflows_workflowrun_changelist")
+        + "?"
+        + urlencode({"finished": value})
+    )
+    assert response.status_code == 302 and response["Location"].endswith("?e=1")
 
 
 def test_the_page_reuses_closed_buckets_and_counts_the_open_one(
