@@ -3,7 +3,8 @@ item 5): the whole page, in every window and with a workflow filter, answers wit
 200 ms (the page as operators reload it: closed buckets from the cache, the bucket in progress
 and the queues read live), in a bounded number of statements, without a sequential scan of the
 runs or stages. The cold page (empty cache: every closed bucket counted) is measured and
-printed too, and asserted under 200 ms for the default 24-hour window.
+printed too, and asserted under 200 ms as well in every window (the 30-day one counts ~320,000
+index entries for its closed buckets: the slowest).
 
 Rows (set-based SQL, :data:`FINISHED_SQL` / :data:`LIVE_SQL`): 1M terminal runs spread evenly
 over 90 days (one every 7.8 s; COMPLETED 93 %, FAILED 5 %, CANCELLED 2 %; workflows
@@ -209,10 +210,11 @@ def test_dashboard_at_a_million_runs(django_user_model: Any) -> None:
         thirty.window.end.timestamp() - time.time()
     )
     assert thirty.total.total == pytest.approx(since / (90 * 86400 / FINISHED), rel=0.01)
-    assert not thirty.sample_exact and thirty.sampled_runs <= 1020
+    assert not thirty.sample_exact and thirty.sampled_runs == 1000  # in proportion, exactly
     # each workflow fails at one stage: 5 % of its runs
     assert thirty.failing[0].share == pytest.approx(0.05, rel=0.05)
     assert thirty.slowest[0].stage_id == "wait"  # the 60 s batch wait
     slow = {label: p95 for label, (_p50, p95) in report.items() if p95 >= TARGET_P95_MS}
     assert not slow, f"p95 >= {TARGET_P95_MS} ms: {slow}"
-    assert cold["default (24h)"][1] < TARGET_P95_MS, cold
+    cold_slow = {label: p95 for label, (_p50, p95) in cold.items() if p95 >= TARGET_P95_MS}
+    assert not cold_slow, f"cold p95 >= {TARGET_P95_MS} ms: {cold_slow}"
