@@ -402,7 +402,7 @@ def sample_sizes(finished: list[int], size: int | None = None) -> list[int]:
 def _sample_sql(window: Window, workflow: str | None, sizes: list[int]) -> tuple[str, list]:
     """The ``(id, workflow_id)`` of the sampled runs: the latest ``sizes[i]`` runs of each
     bucket ``i`` (:func:`sample_sizes`; one ``UNION ALL`` of index range scans with a ``LIMIT``
-    each), or every run of the window when the sizes take every run (``exact``)."""
+    each, the buckets with nothing to sample left out)."""
     table = WorkflowRun._meta.db_table
     extra = " AND workflow_id = %s" if workflow else ""
     parts, params = [], []
