@@ -45,6 +45,10 @@ metric                                  labels                     meaning
 ``workflows_duration_window_``                                     1 when more than 5,000 stages
 ``truncated``                                                      or runs finished in the window
 ``workflows_scrape_duration_seconds``                              how long the snapshot took
+``workflows_scrape_timed_out``                                     1 when the database did not
+                                                                   answer within
+                                                                   ``HEALTH_TIMEOUT_SECONDS``
+                                                                   (``workflows_up`` is then 0)
 ======================================  =========================  ==============================
 
 Durations read at most the 5,000 newest stages and the 5,000 newest runs finished in the
@@ -247,5 +251,10 @@ def render(snap: StateSnapshot, *, scrape_seconds: float | None = None) -> str:
         "workflows_scrape_duration_seconds",
         "How long reading the engine's state took, seconds.",
         [({}, round(elapsed, 6))],
+    )
+    w.gauge(
+        "workflows_scrape_timed_out",
+        "1 when the engine's database did not answer within HEALTH_TIMEOUT_SECONDS.",
+        [({}, 1 if snap.timed_out else 0)],
     )
     return w.text()

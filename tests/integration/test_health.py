@@ -674,7 +674,7 @@ def test_statement_timeout_bounds_the_reads_and_is_put_back(
     monkeypatch.setattr(state_module, "_read", slow)
     started = time.monotonic()
     snap = snapshot(statement_timeout_ms=100)
-    assert not snap.database_ok and snap.database_error == "OperationalError"
+    assert not snap.database_ok and snap.database_error == "timeout" and snap.timed_out
     assert time.monotonic() - started < 1.5
     assert show() == before
 
@@ -688,6 +688,7 @@ def test_system_check_e040_names_bad_health_settings(settings: Any) -> None:
         "HEALTH_MAX_OUTBOX_LAG_SECONDS": "5 minutes",
         "HEALTH_MAX_DEAD_LETTERS": -1,
         "HEALTH_DB_TIMEOUT_SECONDS": 0,
+        "HEALTH_TIMEOUT_SECONDS": float("inf"),
         "HEALTH_TOKEN": "",
     }
     messages = check_health_settings()
@@ -696,6 +697,7 @@ def test_system_check_e040_names_bad_health_settings(settings: Any) -> None:
         "HEALTH_MAX_OUTBOX_LAG_SECONDS",
         "HEALTH_MAX_DEAD_LETTERS",
         "HEALTH_DB_TIMEOUT_SECONDS",
+        "HEALTH_TIMEOUT_SECONDS",
         "HEALTH_TOKEN",
     ]
 
