@@ -25,8 +25,8 @@ metric                                  labels                     meaning
 ``workflows_ticker_live``               ``holder``                 1 when a live worker holds the
                                                                    ticker lease
 ``workflows_runs``                      ``status``                 live runs (PENDING, RUNNING)
-``workflows_runs_finished_window``      ``workflow``, ``status``   runs finished in the last
-                                                                   ``HEALTH_FINISHED_WINDOW_
+``workflows_runs_finished_window``      ``workflow_id``,           runs finished in the last
+                                        ``status``                 ``HEALTH_FINISHED_WINDOW_
                                                                    SECONDS``
 ``workflows_runs_finished_window_``                                that window
 ``seconds``
@@ -193,7 +193,7 @@ def render(snap: StateSnapshot, *, scrape_seconds: float | None = None) -> str:
             "workflows_runs_finished_window",
             "Runs finished within the window, per workflow and terminal status.",
             [
-                ({"workflow": f.workflow_id, "status": f.status}, f.count)
+                ({"workflow_id": f.workflow_id, "status": f.status}, f.count)
                 for f in snap.finished_recently
             ],
         )

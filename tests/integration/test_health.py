@@ -604,7 +604,10 @@ def test_metrics_text_parses_and_carries_the_snapshot(client: Client) -> None:
     assert 6 <= value("workflows_outbox_lag_seconds") < 30
     assert value("workflows_ticker_live", holder="worker-a-ticker") == 1
     assert value("workflows_runs", status="RUNNING") == 1
-    assert value("workflows_runs_finished_window", workflow="flaky", status="FAILED") == 1
+    assert value("workflows_runs_finished_window", workflow_id="flaky", status="FAILED") == 1
+    # One label name for a workflow across every family of the exposition.
+    names = {k for fam in families.values() for labels in fam["samples"] for k, _ in labels}
+    assert "workflow_id" in names and "workflow" not in names
     assert "workflows_schedule_lag_seconds" in families  # declared, no sample
     assert families["workflows_schedule_lag_seconds"]["samples"] == {}
 
