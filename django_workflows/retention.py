@@ -287,9 +287,10 @@ class PruneReport:
     in this call) and ``"referenced"`` (held by another app's ``PROTECT`` / ``RESTRICT`` /
     ``DO_NOTHING`` relation, counted when a batch meets them); ``rows``: rows deleted per
     table (dry run: none); ``django_q_tasks`` / ``idempotency_keys``: rows deleted (dry run:
-    that would be); ``batches``: transactions committed; ``seconds``: wall time;
-    ``complete``: nothing prunable was left when it stopped (false after ``max_runs``, a stop
-    request, or ``max_batches``).
+    that would be); ``batches``: transactions committed; ``skipped_locked``: candidate runs
+    skipped because another transaction held the run, its parent or one of its children;
+    ``seconds``: wall time; ``complete``: nothing prunable was left when it stopped (false
+    after ``max_runs``, a stop request, or ``max_batches``).
     """
 
     dry_run: bool = False

@@ -32,7 +32,7 @@ import logging
 import math
 import time
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
@@ -105,8 +105,6 @@ def probe_database(alias: str = DEFAULT_DB_ALIAS, timeout_seconds: float | None 
             cursor.execute("COMMIT")
     except Exception as exc:  # any failure means "not reachable" to a probe
         logger.warning("Health probe of database %r failed: %s", alias, exc)
-        from django.db import DatabaseError
-
         if isinstance(exc, DatabaseError) and is_timeout(exc):
             return TIMEOUT_ERROR
         return type(exc).__name__
