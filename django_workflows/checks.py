@@ -132,7 +132,8 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Any]:
 def check_health_settings() -> list[Any]:
     """``django_workflows.E040``: a health setting of the wrong kind (issue 20):
     ``HEALTH_MAX_OUTBOX_LAG_SECONDS`` / ``HEALTH_MAX_DEAD_LETTERS`` ``None`` or a number of
-    0 or more (dead letters: an integer), ``HEALTH_DB_TIMEOUT_SECONDS`` a positive number,
+    0 or more (dead letters: an integer), ``HEALTH_DB_TIMEOUT_SECONDS`` and
+    ``HEALTH_TIMEOUT_SECONDS`` positive numbers,
     ``HEALTH_FINISHED_WINDOW_SECONDS`` 0 or more, ``HEALTH_TOKEN`` ``None`` or a non-empty
     string."""
 
@@ -155,6 +156,9 @@ def check_health_settings() -> list[Any]:
     timeout = workflow_settings.HEALTH_DB_TIMEOUT_SECONDS
     if not number(timeout) or timeout == 0:
         problems.append(("HEALTH_DB_TIMEOUT_SECONDS", "a positive number", timeout))
+    total = workflow_settings.HEALTH_TIMEOUT_SECONDS
+    if not number(total) or total == 0:
+        problems.append(("HEALTH_TIMEOUT_SECONDS", "a positive number", total))
     window = workflow_settings.HEALTH_FINISHED_WINDOW_SECONDS
     if not number(window):
         problems.append(("HEALTH_FINISHED_WINDOW_SECONDS", "a number of 0 or more", window))

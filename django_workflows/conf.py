@@ -181,6 +181,11 @@ DEFAULTS: dict[str, Any] = {
     # The readiness view's bounds on the database (seconds): connecting (PostgreSQL
     # connect_timeout, whole seconds, at least 1) and each statement (statement_timeout).
     "HEALTH_DB_TIMEOUT_SECONDS": 2.0,
+    # The total time (seconds) one readiness probe, metrics scrape or workflows_health run
+    # may spend on the database: the probe's connect and SELECT 1 and every read after it.
+    # When it runs out the "database" check fails as timed out (readiness 503, the command
+    # exit 1, metrics workflows_up 0 and workflows_scrape_timed_out 1).
+    "HEALTH_TIMEOUT_SECONDS": 4.0,
     # Bearer token of the metrics view and of the readiness view's numbers: requests must
     # send "Authorization: Bearer <token>" (or be a staff user's session). None: the metrics
     # view is open to whoever can reach its URL, and readiness shows only check names and ok.

@@ -20,9 +20,11 @@ skipped by an operator), no child run of it is live, and it is not the child of 
 Pruning a run deletes, in one short transaction per batch, its logs, annotations, signals,
 stages, jobs, outbox events, blobs (``run_id`` rows of the database blob store) and the run
 row. The run rows are locked first (PostgreSQL: ``FOR UPDATE SKIP LOCKED``: a run another
-transaction holds - a rerun, a cancel, an outcome - is skipped, never waited for) and every
-condition is read again after the lock, so a run that a rerun made RUNNING again, or that got
-a new event, is never deleted.
+transaction holds - a rerun, a cancel, an outcome - is skipped, never waited for), then the
+parent and the children of each locked run (``FOR SHARE SKIP LOCKED``: a run whose relative
+another transaction holds - a child's rerun about to make it RUNNING - is skipped too), and
+every condition is read again after the locks, so a run that a rerun made RUNNING again, that
+got a new event, or whose parent or child a rerun made live again, is never deleted.
 
 Nothing is remembered between calls: a new call finds what is still prunable, so an
 interrupted prune (Ctrl-C between batches, a crash) continues where it stopped.
@@ -285,9 +287,10 @@ class PruneReport:
     in this call) and ``"referenced"`` (held by another app's ``PROTECT`` / ``RESTRICT`` /
     ``DO_NOTHING`` relation, counted when a batch meets them); ``rows``: rows deleted per
     table (dry run: none); ``django_q_tasks`` / ``idempotency_keys``: rows deleted (dry run:
-    that would be); ``batches``: transactions committed; ``seconds``: wall time;
-    ``complete``: nothing prunable was left when it stopped (false after ``max_runs``, a stop
-    request, or ``max_batches``).
+    that would be); ``batches``: transactions committed; ``skipped_locked``: candidate runs
+    skipped because another transaction held the run, its parent or one of its children;
+    ``seconds``: wall time; ``complete``: nothing prunable was left when it stopped (false
+    after ``max_runs``, a stop request, or ``max_batches``).
     """
 
     dry_run: bool = False
@@ -408,6 +411,39 @@ def _lock(ids: list[Any], rule: Rule, now: datetime) -> list[Any]:
     return list(qs.order_by().values_list("pk", flat=True))
 
 
+def _lock_family(ids: list[Any]) -> list[Any]:
+    """Share-lock the parent and the children of the runs ``ids`` (whose own rows this
+    transaction already holds) and return the ids whose every relative could be locked: on
+    PostgreSQL ``FOR SHARE SKIP LOCKED``, so a relative another transaction holds (a rerun of
+    a child, which locks only the child's row, about to make it RUNNING) keeps its family
+    out of this batch instead of being read as it was before that transaction commits; and
+    until this batch commits no relative's status can change (a rerun of it waits, then
+    finds the deleted run gone, as after any earlier prune). Never waits.
+
+    SQLite has one writer at a time: the batch's transaction already excludes a rerun, so
+    ``ids`` is returned as is (no statement)."""
+    if not ids or not connection.features.has_select_for_update_skip_locked:
+        return ids
+    relatives: dict[Any, set[Any]] = {pk: set() for pk in ids}
+    rows = WorkflowRun.objects.filter(Q(parent_run_id__in=ids) | Q(pk__in=ids)).order_by()
+    for pk, parent in rows.values_list("pk", "parent_run_id"):
+        if parent in relatives and pk not in relatives:  # a child of a locked run
+            relatives[parent].add(pk)
+        if pk in relatives and parent is not None:  # a locked run's parent
+            relatives[pk].add(parent)
+    wanted = set().union(*relatives.values()) - set(ids)
+    if not wanted:
+        return ids
+    present = WorkflowRun.objects.filter(pk__in=wanted).order_by().values_list("pk", flat=True)
+    sql, params = present.query.sql_with_params()
+    with connection.cursor() as cursor:
+        cursor.execute(f"{sql} FOR SHARE SKIP LOCKED", params)
+        held = {row[0] for row in cursor.fetchall()}
+    # A relative that exists but could not be locked; one that is gone keeps nothing.
+    blocked = set(present.exclude(pk__in=held)) if len(held) < len(wanted) else set()
+    return [pk for pk in ids if not relatives[pk] & blocked]
+
+
 def _delete_batch(
     ids: list[Any], rule: Rule, now: datetime, report: PruneReport, blobs: Any = None
 ) -> list[tuple[Any, str]]:
@@ -419,13 +455,13 @@ def _delete_batch(
     :func:`.blobs.stage_prefix`), it is called after the batch committed.
     """
     with transaction.atomic():
-        locked = _lock(ids, rule, now)
+        locked = _lock_family(_lock(ids, rule, now))
         report.skipped_locked += len(ids) - len(locked)
         if not locked:
             return []
-        # A second statement, after the locks: its snapshot sees every commit that came
-        # before (an event appended, a child started, a rerun), and nothing can change
-        # these rows until this transaction ends.
+        # A statement after the locks: its snapshot sees every commit that came before (an
+        # event appended, a child started, a rerun of the run or of a relative), and
+        # nothing can change these rows or their relatives until this transaction ends.
         rows = list(
             prunable(rule.runs(now).filter(pk__in=locked))
             .order_by()

@@ -3,7 +3,8 @@
 Each check judges one field of a :class:`~.state.StateSnapshot`:
 
 =================  ===========================================================================
-``database``       the database answered the snapshot's reads
+``database``       the database answered the snapshot's reads within their time budget
+                   (``HEALTH_TIMEOUT_SECONDS``; a timeout fails it, detail ``timed out``)
 ``ticker``         while runs are live (PENDING or RUNNING), an unexpired ticker lease is held
                    by a live worker process, or has been missing no longer than
                    :func:`ticker_grace_seconds` (passes with no live run, and when
@@ -63,11 +64,14 @@ class HealthReport:
     def to_dict(self, *, details: bool = True) -> dict[str, Any]:
         """``{"status": "healthy"|"unhealthy", "failing": [...], "checks": [...],
         "taken_at": ISO}``; ``details=False``: each check only ``{"name", "ok"}`` and no
-        time (what an anonymous readiness probe sees)."""
+        time (what an anonymous readiness probe sees). When the snapshot's reads timed out
+        both forms also carry ``"reason": "timeout"``."""
         doc: dict[str, Any] = {
             "status": "healthy" if self.healthy else "unhealthy",
             "failing": self.failing,
         }
+        if self.snapshot.timed_out:
+            doc["reason"] = "timeout"
         if details:
             doc["taken_at"] = self.snapshot.taken_at.isoformat()
             doc["checks"] = [c.to_dict() for c in self.checks]
@@ -114,6 +118,13 @@ def evaluate(
         max_outbox_lag_seconds = workflow_settings.HEALTH_MAX_OUTBOX_LAG_SECONDS
     if max_dead_letters is ...:
         max_dead_letters = workflow_settings.HEALTH_MAX_DEAD_LETTERS
+    if snap.timed_out:
+        budget = snap.timeout_seconds
+        within = f" {budget:g} s (HEALTH_TIMEOUT_SECONDS)" if budget is not None else ""
+        return HealthReport(
+            snap,
+            [CheckResult("database", False, None, budget, f"timed out: no answer within{within}")],
+        )
     if not snap.database_ok:
         reason = snap.database_error or "error"
         return HealthReport(

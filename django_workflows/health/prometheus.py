@@ -25,8 +25,8 @@ metric                                  labels                     meaning
 ``workflows_ticker_live``               ``holder``                 1 when a live worker holds the
                                                                    ticker lease
 ``workflows_runs``                      ``status``                 live runs (PENDING, RUNNING)
-``workflows_runs_finished_window``      ``workflow``, ``status``   runs finished in the last
-                                                                   ``HEALTH_FINISHED_WINDOW_
+``workflows_runs_finished_window``      ``workflow_id``,           runs finished in the last
+                                        ``status``                 ``HEALTH_FINISHED_WINDOW_
                                                                    SECONDS``
 ``workflows_runs_finished_window_``                                that window
 ``seconds``
@@ -45,6 +45,10 @@ metric                                  labels                     meaning
 ``workflows_duration_window_``                                     1 when more than 5,000 stages
 ``truncated``                                                      or runs finished in the window
 ``workflows_scrape_duration_seconds``                              how long the snapshot took
+``workflows_scrape_timed_out``                                     1 when the database did not
+                                                                   answer within
+                                                                   ``HEALTH_TIMEOUT_SECONDS``
+                                                                   (``workflows_up`` is then 0)
 ======================================  =========================  ==============================
 
 Durations read at most the 5,000 newest stages and the 5,000 newest runs finished in the
@@ -189,7 +193,7 @@ def render(snap: StateSnapshot, *, scrape_seconds: float | None = None) -> str:
             "workflows_runs_finished_window",
             "Runs finished within the window, per workflow and terminal status.",
             [
-                ({"workflow": f.workflow_id, "status": f.status}, f.count)
+                ({"workflow_id": f.workflow_id, "status": f.status}, f.count)
                 for f in snap.finished_recently
             ],
         )
@@ -247,5 +251,10 @@ def render(snap: StateSnapshot, *, scrape_seconds: float | None = None) -> str:
         "workflows_scrape_duration_seconds",
         "How long reading the engine's state took, seconds.",
         [({}, round(elapsed, 6))],
+    )
+    w.gauge(
+        "workflows_scrape_timed_out",
+        "1 when the engine's database did not answer within HEALTH_TIMEOUT_SECONDS.",
+        [({}, 1 if snap.timed_out else 0)],
     )
     return w.text()

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -72,6 +73,10 @@ FINISHED_RUN_STATUSES = (Status.COMPLETED, Status.FAILED, Status.CANCELLED)
 #: range bounded by a LIMIT, however busy the window was.
 DURATION_SAMPLE_LIMIT = 5_000
 TICKER_LEASE = "ticker"
+#: :attr:`StateSnapshot.database_error` of a snapshot whose time budget ran out.
+TIMEOUT_ERROR = "timeout"
+#: PostgreSQL's SQLSTATE of a statement cancelled by ``statement_timeout`` (query_canceled).
+QUERY_CANCELED = "57014"
 TICKER_SUFFIX = "-ticker"
 PRESENCE_PREFIX = "worker:"
 
@@ -151,8 +156,9 @@ class StateSnapshot:
     """The engine's state at ``taken_at`` (the lease clock: the database's clock).
 
     When the database cannot be read, ``database_ok`` is ``False``, ``database_error`` says
-    why (the exception's class name) and every other field is empty (lists empty, counts 0,
-    ages ``None``, ``ticker_live`` false).
+    why (the exception's class name, or :data:`TIMEOUT_ERROR` when the reads ran out of their
+    time budget: ``timed_out`` is then true) and every other field is empty (lists empty,
+    counts 0, ages ``None``, ``ticker_live`` false).
 
     Fields:
         taken_at: when it was read (aware datetime, database clock).
@@ -191,6 +197,9 @@ class StateSnapshot:
             and deliveries released by a graceful stop alike).
         duration_samples_truncated: the window held more than :data:`DURATION_SAMPLE_LIMIT`
             finished stages or runs, so the durations describe only the newest.
+        timed_out: the reads did not finish within their time budget (``timeout_seconds``
+            of :func:`snapshot`, ``HEALTH_TIMEOUT_SECONDS``); ``database_ok`` is then false.
+        timeout_seconds: that budget (seconds; ``None``: the reads were not bounded).
     """
 
     taken_at: datetime
@@ -215,6 +224,8 @@ class StateSnapshot:
     run_durations: list[DurationState] = field(default_factory=list)
     duration_samples_truncated: bool = False
     redeliveries: list[RedeliveryState] = field(default_factory=list)
+    timed_out: bool = False
+    timeout_seconds: float | None = None
 
     @property
     def live_runs(self) -> int:
@@ -250,8 +261,16 @@ def _lease_clock() -> LeaseClock:
     return get_kernel().lease_clock
 
 
-def empty_snapshot(taken_at: datetime, error: str) -> StateSnapshot:
-    """A snapshot of a database that could not be read (``database_ok`` false)."""
+def empty_snapshot(
+    taken_at: datetime,
+    error: str,
+    *,
+    timed_out: bool = False,
+    timeout_seconds: float | None = None,
+) -> StateSnapshot:
+    """A snapshot of a database that could not be read (``database_ok`` false); with
+    ``timed_out`` (``error`` is then :data:`TIMEOUT_ERROR`) because the reads ran out of
+    their ``timeout_seconds`` budget."""
     return StateSnapshot(
         taken_at=taken_at,
         database_ok=False,
@@ -265,51 +284,163 @@ def empty_snapshot(taken_at: datetime, error: str) -> StateSnapshot:
         ticker_live=False,
         runs_by_status={s.value: 0 for s in LIVE_RUN_STATUSES},
         database_error=error,
+        timed_out=timed_out,
+        timeout_seconds=timeout_seconds,
     )
 
 
+class _BudgetSpent(DatabaseError):
+    """The health reads' time budget ran out before a statement could start (raised by
+    :class:`Budget`, caught by :func:`snapshot`)."""
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """``exc`` (a Django ``DatabaseError``) is a :class:`_BudgetSpent` or PostgreSQL
+    cancelling a statement (SQLSTATE ``57014``: ``statement_timeout`` fired)."""
+    if isinstance(exc, _BudgetSpent):
+        return True
+    cause = exc.__cause__
+    code = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    return code == QUERY_CANCELED
+
+
+class Budget:
+    """A total time bound on a sequence of statements, as a Django execute wrapper
+    (``with connection.execute_wrapper(Budget(...))``).
+
+    Before each statement: raises :class:`_BudgetSpent` once ``deadline`` (``time.monotonic``
+    seconds) has passed; on PostgreSQL, inside the caller's transaction, lowers
+    ``statement_timeout`` with ``set_config(..., true)`` (``SET LOCAL``: it ends with the
+    transaction, so no setting leaks into a pooled session, as behind PgBouncer in
+    transaction mode) to what is left of the budget, never above ``statement_timeout_ms``.
+    On SQLite a statement cannot be interrupted: the budget is checked between statements.
+
+    Args:
+        deadline: monotonic time the statements must end by (``None``: no total bound).
+        statement_timeout_ms: each statement's own bound (ms; ``None``: only the budget's).
+        postgres: set ``statement_timeout`` (the caller holds a transaction).
+    """
+
+    def __init__(
+        self, deadline: float | None, statement_timeout_ms: int | None, *, postgres: bool
+    ) -> None:
+        self.deadline = deadline
+        self.statement_timeout_ms = statement_timeout_ms
+        self.postgres = postgres
+        self.current_ms: int | None = None
+
+    def bound_ms(self) -> int:
+        """The next statement's ``statement_timeout`` (ms, at least 1; 0: no bound at all).
+
+        Raises:
+            _BudgetSpent: the budget is spent.
+        """
+        bounds = []
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise _BudgetSpent("the health reads' time budget ran out")
+            bounds.append(max(1, math.ceil(left * 1000)))
+        if self.statement_timeout_ms is not None:
+            bounds.append(max(1, int(self.statement_timeout_ms)))
+        return min(bounds) if bounds else 0
+
+    def apply(self, cursor: Any) -> None:
+        """Set the next statement's bound on ``cursor`` (a DB-API cursor) if it changed."""
+        ms = self.bound_ms()
+        if self.postgres and ms != self.current_ms:
+            cursor.execute("SELECT set_config('statement_timeout', %s, true)", [str(ms)])
+            self.current_ms = ms
+
+    def __call__(self, execute: Any, sql: Any, params: Any, many: bool, context: Any) -> Any:
+        self.apply(context["cursor"].cursor)
+        return execute(sql, params, many, context)
+
+
 def snapshot(
-    *, lease_clock: LeaseClock | None = None, statement_timeout_ms: int | None = None
+    *,
+    lease_clock: LeaseClock | None = None,
+    statement_timeout_ms: int | None = None,
+    timeout_seconds: float | None = None,
 ) -> StateSnapshot:
     """Read the engine's state (about twelve indexed queries, on the default connection).
 
     Args:
         lease_clock: whose time ages and expiries are judged in (default: the default
             kernel's, i.e. the database's clock; a test's ``FakeClock`` that drives leases).
-        statement_timeout_ms: on PostgreSQL, run the reads in one transaction with this
-            ``statement_timeout`` (the readiness view's bound); ``None``: no limit.
+        statement_timeout_ms: on PostgreSQL, each read's ``statement_timeout`` (ms; the
+            readiness view's ``HEALTH_DB_TIMEOUT_SECONDS``); ``None``: no per-read limit.
+        timeout_seconds: the total time all the reads may take (seconds,
+            ``HEALTH_TIMEOUT_SECONDS``); ``None``: no total limit. When it runs out the
+            snapshot says ``timed_out`` (see :class:`Budget`: PostgreSQL cancels the
+            statement running then; SQLite stops before the next one).
+
+    With either bound on PostgreSQL the reads run in one transaction (a savepoint inside a
+    request's own transaction, as with ``ATOMIC_REQUESTS``) whose ``statement_timeout`` is
+    set with ``SET LOCAL`` semantics and put back after the reads.
 
     Returns:
         A :class:`StateSnapshot`; never raises for a database error: ``database_ok`` is then
         false (a lost connection is closed, so the next request reconnects).
     """
+    from django.db import transaction
     from django.utils import timezone
 
+    deadline = None if timeout_seconds is None else time.monotonic() + float(timeout_seconds)
     try:
         clock = lease_clock or _lease_clock()
-        if statement_timeout_ms is not None and connection.vendor == "postgresql":
-            from django.db import transaction
-
-            # Local to this transaction (a savepoint inside a request's own transaction, as
-            # with ATOMIC_REQUESTS: put back after the reads; a failed block's rollback
-            # reverts it by itself).
-            with transaction.atomic():
-                with connection.cursor() as cursor:
-                    cursor.execute(
-                        "SELECT current_setting('statement_timeout'), "
-                        "set_config('statement_timeout', %s, true)",
-                        [str(int(statement_timeout_ms))],
-                    )
-                    previous = cursor.fetchone()[0]
+        if statement_timeout_ms is None and deadline is None:
+            return _read(clock)
+        postgres = connection.vendor == "postgresql"
+        budget = Budget(deadline, statement_timeout_ms, postgres=postgres)
+        if not postgres:
+            with connection.execute_wrapper(budget):
+                return _read(clock)
+        # Local to this transaction (a savepoint inside a request's own transaction: put
+        # back after the reads; a failed block's rollback reverts it by itself).
+        with transaction.atomic():
+            first = budget.bound_ms()
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT current_setting('statement_timeout'), "
+                    "set_config('statement_timeout', %s, true)",
+                    [str(first)],
+                )
+                previous = cursor.fetchone()[0]
+            budget.current_ms = first
+            with connection.execute_wrapper(budget):
                 snap = _read(clock)
-                with connection.cursor() as cursor:
-                    cursor.execute("SELECT set_config('statement_timeout', %s, true)", [previous])
-                return snap
-        return _read(clock)
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT set_config('statement_timeout', %s, true)", [previous])
+            return snap
     except DatabaseError as exc:
         if not connection.in_atomic_block:
             connection.close()
+        if is_timeout(exc):
+            return empty_snapshot(
+                timezone.now(), TIMEOUT_ERROR, timed_out=True, timeout_seconds=timeout_seconds
+            )
         return empty_snapshot(timezone.now(), type(exc).__name__)
+
+
+def _positive(value: Any, default: float) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return default
+    return number if number > 0 and math.isfinite(number) else default
+
+
+def db_timeout_seconds() -> float:
+    """``HEALTH_DB_TIMEOUT_SECONDS`` as a positive float (default 2): the bound on connecting
+    to the database and on each health read."""
+    return _positive(workflow_settings.HEALTH_DB_TIMEOUT_SECONDS, 2.0)
+
+
+def health_timeout_seconds() -> float:
+    """``HEALTH_TIMEOUT_SECONDS`` as a positive float (default 4): the bound on the total time
+    of one readiness probe, metrics scrape or ``workflows_health`` run."""
+    return _positive(workflow_settings.HEALTH_TIMEOUT_SECONDS, 4.0)
 
 
 _cache_lock = threading.Lock()
@@ -320,13 +451,18 @@ def cached_snapshot(max_age_seconds: float = 5.0) -> StateSnapshot:
     """:func:`snapshot`, reused while it is younger than ``max_age_seconds`` (monotonic time,
     per process): for callers that read several numbers of one collection, such as
     OpenTelemetry observable gauges, each of whose callbacks would otherwise take its own
-    snapshot. Thread-safe; at most one snapshot is taken at a time."""
+    snapshot. Thread-safe; at most one snapshot is taken at a time. Bounded like the
+    readiness view: ``HEALTH_DB_TIMEOUT_SECONDS`` per read, ``HEALTH_TIMEOUT_SECONDS`` in
+    all."""
     global _cached
     with _cache_lock:
         now = time.monotonic()
         if _cached is not None and now - _cached[0] < max_age_seconds:
             return _cached[1]
-        snap = snapshot()
+        snap = snapshot(
+            statement_timeout_ms=int(db_timeout_seconds() * 1000),
+            timeout_seconds=health_timeout_seconds(),
+        )
         _cached = (time.monotonic(), snap)
         return snap
 

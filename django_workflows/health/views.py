@@ -7,14 +7,18 @@ Mount them with ``path("workflows/health/", include("django_workflows.health.url
 * ``ready/`` - the checks of :mod:`.checks`: 200 healthy, 503 unhealthy with
   ``{"status": "unhealthy", "failing": [...], "checks": [{"name", "ok"}, ...]}``. The
   database is first probed on a separate connection with a short ``connect_timeout``, and the
-  reads run under a ``statement_timeout`` (both ``HEALTH_DB_TIMEOUT_SECONDS``), so a database
-  that is down or hung answers 503 within about that long. Never a stack trace. With the
+  probe's ``SELECT 1`` and every read run under a ``statement_timeout`` (each at most
+  ``HEALTH_DB_TIMEOUT_SECONDS``, all together at most ``HEALTH_TIMEOUT_SECONDS``; set with
+  ``SET LOCAL`` semantics inside a transaction, so nothing leaks into a pooled session), so a
+  database that is down or hung answers 503 within about ``HEALTH_TIMEOUT_SECONDS``; a
+  timeout adds ``"reason": "timeout"`` to the body. Never a stack trace. With the
   ``HEALTH_TOKEN`` bearer token (or a staff user's session) each check also has its
   ``value``, ``threshold`` and ``detail``; anonymous callers learn only names and ``ok``.
 * ``metrics/`` - the Prometheus text exposition (:mod:`.prometheus`); needs the
   ``HEALTH_TOKEN`` bearer token when that setting is set (401 otherwise; a staff user's
-  session also passes), else open. When the database is down: 503 with ``workflows_up 0``,
-  within the readiness view's bounds.
+  session also passes), else open. When the database is down or does not answer within
+  the readiness view's bounds: 200 with ``workflows_up 0`` (and ``workflows_scrape_timed_out
+  1`` for a timeout).
 
 Query parameters of ``ready/``: ``queue`` (repeatable) replaces the queues that need a live
 worker (``?queue=default``: a web pod that only needs its own queue's workers).
@@ -28,14 +32,22 @@ import logging
 import math
 import time
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
 from ..conf import workflow_settings
 from .checks import evaluate
-from .state import empty_snapshot, snapshot
+from .state import (
+    TIMEOUT_ERROR,
+    StateSnapshot,
+    db_timeout_seconds,
+    empty_snapshot,
+    health_timeout_seconds,
+    is_timeout,
+    snapshot,
+)
 
 logger = logging.getLogger("django_workflows.health")
 
@@ -57,19 +69,17 @@ def _authorized(request: HttpRequest) -> bool:
     )
 
 
-def db_timeout_seconds() -> float:
-    """``HEALTH_DB_TIMEOUT_SECONDS`` as a positive float (default 2)."""
-    try:
-        value = float(workflow_settings.HEALTH_DB_TIMEOUT_SECONDS)
-    except (TypeError, ValueError):
-        return 2.0
-    return value if value > 0 else 2.0
+#: The probe's statement (a test makes it slow).
+PROBE_SQL = "SELECT 1"
 
 
 def probe_database(alias: str = DEFAULT_DB_ALIAS, timeout_seconds: float | None = None) -> str:
     """Open a fresh connection to ``alias`` with a short connect timeout (PostgreSQL) and run
-    ``SELECT 1``; returns ``""`` when it answered, else the exception's class name. The
-    connection is closed; the request's own connection is not touched."""
+    ``SELECT 1`` in a transaction under ``SET LOCAL statement_timeout`` (both
+    ``timeout_seconds``, default ``HEALTH_DB_TIMEOUT_SECONDS``); returns ``""`` when it
+    answered, :data:`~.state.TIMEOUT_ERROR` when the statement was cancelled by that
+    timeout, else the exception's class name. The connection is closed; the request's own
+    connection is not touched."""
     timeout = timeout_seconds if timeout_seconds is not None else db_timeout_seconds()
     wrapper = connections[alias]
     settings_dict = copy.deepcopy(wrapper.settings_dict)
@@ -83,10 +93,20 @@ def probe_database(alias: str = DEFAULT_DB_ALIAS, timeout_seconds: float | None 
     probe = type(wrapper)(settings_dict, alias)
     try:
         with probe.cursor() as cursor:
-            cursor.execute("SELECT 1")
+            # A transaction-local bound: behind PgBouncer in transaction mode a session SET
+            # would stay on the server connection for whoever gets it next.
+            cursor.execute("BEGIN")
+            cursor.execute(
+                "SELECT set_config('statement_timeout', %s, true)",
+                [str(max(1, math.ceil(timeout * 1000)))],
+            )
+            cursor.execute(PROBE_SQL)
             cursor.fetchone()
+            cursor.execute("COMMIT")
     except Exception as exc:  # any failure means "not reachable" to a probe
         logger.warning("Health probe of database %r failed: %s", alias, exc)
+        if isinstance(exc, DatabaseError) and is_timeout(exc):
+            return TIMEOUT_ERROR
         return type(exc).__name__
     finally:
         try:
@@ -115,20 +135,35 @@ def live(request: HttpRequest) -> HttpResponse:
     return JsonResponse({"status": "live"})
 
 
+def bounded_snapshot(alias: str = DEFAULT_DB_ALIAS) -> StateSnapshot:
+    """Probe the database (:func:`probe_database`), then read a :func:`~.state.snapshot`,
+    all within ``HEALTH_TIMEOUT_SECONDS`` (the probe's connect and ``SELECT 1`` and each read
+    also within ``HEALTH_DB_TIMEOUT_SECONDS``). A spent budget gives a snapshot with
+    ``timed_out``; never raises for a database error."""
+    from django.utils import timezone
+
+    budget = health_timeout_seconds()
+    deadline = time.monotonic() + budget
+    error = probe_database(alias, timeout_seconds=min(db_timeout_seconds(), budget))
+    left = deadline - time.monotonic()
+    if error == TIMEOUT_ERROR or (not error and left <= 0):
+        return empty_snapshot(timezone.now(), TIMEOUT_ERROR, timed_out=True, timeout_seconds=budget)
+    if error:
+        return empty_snapshot(timezone.now(), error)
+    snap = snapshot(statement_timeout_ms=int(db_timeout_seconds() * 1000), timeout_seconds=left)
+    if snap.timed_out:  # name the whole budget, not what was left of it after the probe
+        return empty_snapshot(snap.taken_at, TIMEOUT_ERROR, timed_out=True, timeout_seconds=budget)
+    return snap
+
+
 @never_cache
 @require_GET
 def ready(request: HttpRequest) -> HttpResponse:
-    """200 when every check passes, else 503; the JSON body names the failing checks."""
-    from django.utils import timezone
-
-    timeout = db_timeout_seconds()
+    """200 when every check passes, else 503; the JSON body names the failing checks (and
+    says ``"reason": "timeout"`` when the database did not answer within
+    ``HEALTH_TIMEOUT_SECONDS``)."""
     try:
-        error = probe_database(timeout_seconds=timeout)
-        snap = (
-            empty_snapshot(timezone.now(), error)
-            if error
-            else snapshot(statement_timeout_ms=int(timeout * 1000))
-        )
+        snap = bounded_snapshot()
         report = evaluate(snap, queues=_queues(request))
     except Exception:  # never a stack trace in a probe's answer
         logger.exception("Readiness check failed")
@@ -145,8 +180,6 @@ def ready(request: HttpRequest) -> HttpResponse:
 def metrics(request: HttpRequest) -> HttpResponse:
     """The Prometheus text exposition (``text/plain; version=0.0.4``); the database is
     probed and read with the readiness view's bounds."""
-    from django.utils import timezone
-
     from .prometheus import CONTENT_TYPE, render
 
     if workflow_settings.HEALTH_TOKEN and not _authorized(request):
@@ -155,13 +188,7 @@ def metrics(request: HttpRequest) -> HttpResponse:
         return response
     try:
         started = time.perf_counter()
-        timeout = db_timeout_seconds()
-        error = probe_database(timeout_seconds=timeout)
-        snap = (
-            empty_snapshot(timezone.now(), error)
-            if error
-            else snapshot(statement_timeout_ms=int(timeout * 1000))
-        )
+        snap = bounded_snapshot()
         text = render(snap, scrape_seconds=time.perf_counter() - started)
     except Exception:
         logger.exception("Rendering the metrics failed")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,25 +32,7 @@ from django_workflows.kernel.hosting import process_available_jobs, run_maintena
 from django_workflows.models import OutboxEvent, Status, WorkflowRun
 from django_workflows.testing import CollectingSink, FakeClock, make_kernel, run_to_completion
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is missing")
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-pytestmark = [
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(
-        CHROMIUM is None,
-        reason="no chromium binary (apt-get install -y chromium; .ci/run installs it)",
-    ),
-]
-
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+pytestmark = pytest.mark.django_db(transaction=True)  # Chromium and page: conftest.py
 
 CLOCK: dict[str, FakeClock] = {}
 
@@ -184,18 +165,6 @@ def world(django_user_model: Any) -> Iterator[dict[str, Any]]:
     for wf in wfs:
         registry.unregister(wf.id)
     os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
-
-
-@pytest.fixture
-def page(live_server: Any) -> Iterator[Any]:
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        context = browser.new_context(viewport={"width": 1440, "height": 900})
-        tab = context.new_page()
-        tab.set_default_timeout(15_000)
-        yield tab
-        context.close()
-        browser.close()
 
 
 def _messages(page: Any) -> str:

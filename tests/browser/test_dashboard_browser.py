@@ -12,7 +12,6 @@ test's temporary directory); ``DW_SCREENSHOT_DIR=docs/screenshots`` regenerates 
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -25,15 +24,7 @@ from django.utils import timezone
 
 from django_workflows.models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is missing")
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-pytestmark = [
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)"),
-]
-
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+pytestmark = pytest.mark.django_db(transaction=True)  # Chromium and page: conftest.py
 
 #: (workflow, [(stage, typical ms)], runs per hour at the peak, failure rate).
 LAYOUT = [
@@ -133,18 +124,6 @@ def world(django_user_model: Any) -> Iterator[None]:
     django_user_model.objects.create_superuser("admin", "admin@example.com", "s3cret-pw")
     yield
     os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
-
-
-@pytest.fixture
-def page(live_server: Any) -> Iterator[Any]:
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        context = browser.new_context(viewport={"width": 1440, "height": 900})
-        tab = context.new_page()
-        tab.set_default_timeout(15_000)
-        yield tab
-        context.close()
-        browser.close()
 
 
 def test_dashboard_in_chromium(live_server: Any, world: None, page: Any, tmp_path: Path) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -53,25 +52,7 @@ from django_workflows.kernel.commands import CreateRun
 from django_workflows.models import Status, WorkflowRun
 from django_workflows.testing import FakeClock, drive, make_kernel, run_to_completion
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is missing")
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-pytestmark = [
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(
-        CHROMIUM is None,
-        reason="no chromium binary (apt-get install -y chromium; .ci/run installs it)",
-    ),
-]
-
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+pytestmark = pytest.mark.django_db(transaction=True)  # Chromium and page: conftest.py
 
 
 class Order(BaseModel):
@@ -219,18 +200,6 @@ def world(django_user_model: Any) -> Iterator[dict[str, Any]]:
     for wf in wfs:
         registry.unregister(wf.id)
     os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
-
-
-@pytest.fixture
-def page(live_server: Any) -> Iterator[Any]:
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        context = browser.new_context(viewport={"width": 1440, "height": 900})
-        tab = context.new_page()
-        tab.set_default_timeout(15_000)
-        yield tab
-        context.close()
-        browser.close()
 
 
 def _orm(work: Callable[[], T]) -> T:

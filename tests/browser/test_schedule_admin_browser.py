@@ -7,7 +7,6 @@ list goes to ``$DW_SCREENSHOT_DIR`` (default: the test's temporary directory) as
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -24,14 +23,7 @@ from django_workflows.schedules import pause_schedule
 from django_workflows.testing import FakeClock, make_kernel
 from tests.workflows import two_stage
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is missing")
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-pytestmark = [
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)"),
-]
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+pytestmark = pytest.mark.django_db(transaction=True)  # Chromium and page: conftest.py
 
 
 @pytest.fixture
@@ -79,33 +71,29 @@ def world(django_user_model: Any) -> Iterator[None]:
 
 
 def test_schedules_list_and_pause_in_chromium(
-    live_server: Any, world: None, tmp_path: Path
+    live_server: Any, world: None, page: Any, tmp_path: Path
 ) -> None:
     shots = Path(os.environ.get("DW_SCREENSHOT_DIR") or tmp_path)
     shots.mkdir(parents=True, exist_ok=True)
     base = live_server.url
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        page = browser.new_context(viewport={"width": 1440, "height": 700}).new_page()
-        page.set_default_timeout(15_000)
-        page.goto(base + reverse("admin:login"))
-        page.fill("#id_username", "admin")
-        page.fill("#id_password", "s3cret-pw")
-        page.click("input[type=submit]")
-        page.wait_for_url(f"{base}/admin/")
-        page.goto(base + reverse("admin:django_workflows_workflowschedule_changelist"))
-        table = page.locator("#result_list")
-        assert table.locator("tbody tr").count() == 3
-        text = table.inner_text()
-        assert "cron 30 2 * * *" in text and "Europe/Berlin" in text and "paused" in text
-        assert table.locator("tbody tr a[href*='/workflowrun/']").count() >= 1  # last run link
-        page.evaluate("() => document.querySelector('#nav-sidebar')?.remove()")
-        page.screenshot(path=str(shots / "schedules.png"))
-        page.click("text=nightly-report")
-        page.click("a.dw-pause-link")
-        page.fill("textarea[name=reason]", "migrating the warehouse")
-        page.click("input[type=submit][value='Yes, pause']")
-        assert "Paused schedule nightly-report" in page.locator("ul.messagelist").inner_text()
-        browser.close()
+    page.set_viewport_size({"width": 1440, "height": 700})
+    page.goto(base + reverse("admin:login"))
+    page.fill("#id_username", "admin")
+    page.fill("#id_password", "s3cret-pw")
+    page.click("input[type=submit]")
+    page.wait_for_url(f"{base}/admin/")
+    page.goto(base + reverse("admin:django_workflows_workflowschedule_changelist"))
+    table = page.locator("#result_list")
+    assert table.locator("tbody tr").count() == 3
+    text = table.inner_text()
+    assert "cron 30 2 * * *" in text and "Europe/Berlin" in text and "paused" in text
+    assert table.locator("tbody tr a[href*='/workflowrun/']").count() >= 1  # last run link
+    page.evaluate("() => document.querySelector('#nav-sidebar')?.remove()")
+    page.screenshot(path=str(shots / "schedules.png"))
+    page.click("text=nightly-report")
+    page.click("a.dw-pause-link")
+    page.fill("textarea[name=reason]", "migrating the warehouse")
+    page.click("input[type=submit][value='Yes, pause']")
+    assert "Paused schedule nightly-report" in page.locator("ul.messagelist").inner_text()
     row = WorkflowSchedule.objects.get(name="nightly-report")
     assert row.paused and row.pause_reason == "migrating the warehouse"

@@ -441,6 +441,105 @@ def test_locked_run_is_skipped_not_waited_for(kernel: Kernel, clock: FakeClock) 
     assert rows_of(held) == FULL
 
 
+def _other_connection() -> Any:
+    import psycopg
+    from django.conf import settings as dj
+
+    db = dj.DATABASES["default"]
+    return psycopg.connect(
+        host=db["HOST"],
+        port=db["PORT"] or 5432,
+        user=db["USER"],
+        dbname=connection.settings_dict["NAME"],
+    )
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'")
+@pytest.mark.parametrize("rerun", ["child", "parent"])
+def test_a_relative_made_live_by_an_open_rerun_keeps_the_run(
+    kernel: Kernel, clock: FakeClock, rerun: str
+) -> None:
+    """A rerun locks only its own run's row. While it has made the child (or the parent)
+    RUNNING but not committed, the prune batch must not read the relative's old, terminal
+    status and delete the other run of the family: it skips the family, and once the rerun
+    commits the live relative keeps it for good. The other connection's transaction is the
+    ordering (no sleeps): it holds its lock for the whole prune call."""
+    now = clock.now()
+    parent = make_run(now)
+    child = make_run(now, parent=parent)
+    other_family = make_run(now)
+    other_child = make_run(now, parent=other_family)
+    live, kept = (child, parent) if rerun == "child" else (parent, child)
+    other = _other_connection()
+    try:
+        # The rerun of `live` (lock_run, then the RUNNING update), not yet committed.
+        other.execute("SELECT 1 FROM workflow_runs WHERE id = %s FOR UPDATE", [live])
+        other.execute(
+            "UPDATE workflow_runs SET status = 'RUNNING', completed_at = NULL WHERE id = %s",
+            [live],
+        )
+        report = prune(kernel=kernel, pol=parse_policy(POLICY))
+        assert rows_of(kept) == FULL, "a run was deleted while its relative was being rerun"
+        assert rows_of(live) == FULL
+        assert rows_of(other_family) == GONE and rows_of(other_child) == GONE
+        assert report.runs_total == 2 and report.skipped_locked >= 1
+        other.commit()
+    finally:
+        other.close()
+    again = prune(kernel=kernel, pol=parse_policy(POLICY))
+    assert again.runs_total == 0 and again.kept["live_family"] == 1
+    assert rows_of(kept) == FULL and rows_of(live) == FULL
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'")
+def test_a_rerun_after_the_batch_locked_the_family_waits_for_it(
+    kernel: Kernel, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other order: the batch share-locks the child first; the child's rerun (its row
+    lock) then waits until the batch commits, so the batch never reads a status that changes
+    under it. Ordered by an event set inside the batch's transaction, after the locks."""
+    from django_workflows import retention
+
+    now = clock.now()
+    parent = make_run(now)
+    child = make_run(now, days_ago=1, parent=parent)  # finished, not aged out yet
+    locked = threading.Event()
+    real = retention._lock_family
+
+    def lock_family_then_signal(ids: list[Any]) -> list[Any]:
+        out = real(ids)
+        locked.set()
+        return out
+
+    monkeypatch.setattr(retention, "_lock_family", lock_family_then_signal)
+    other = _other_connection()
+    outcome: dict[str, Any] = {}
+
+    def rerun_child() -> None:
+        assert locked.wait(10)
+        # lock_timeout: the batch commits within milliseconds; a wait this long means the
+        # rerun is blocked by something else.
+        other.execute("SET lock_timeout = '10s'")
+        cur = other.execute("SELECT status FROM workflow_runs WHERE id = %s FOR UPDATE", [child])
+        outcome["seen"] = cur.fetchone()[0]
+        outcome["parent"] = other.execute(
+            "SELECT count(*) FROM workflow_runs WHERE id = %s", [parent]
+        ).fetchone()[0]
+        other.rollback()
+
+    thread = threading.Thread(target=rerun_child)
+    thread.start()
+    try:
+        report = prune(kernel=kernel, pol=parse_policy(POLICY))
+    finally:
+        thread.join(15)
+        other.close()
+    assert report.runs_total == 1 and rows_of(child) == FULL
+    # The rerun got the child's row only after the batch committed: its parent was gone by
+    # then (as after any earlier prune), and it never ran beside a batch that read it live.
+    assert outcome == {"seen": "COMPLETED", "parent": 0}
+
+
 # --- the command -----------------------------------------------------------------------------
 
 

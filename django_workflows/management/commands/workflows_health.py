@@ -12,7 +12,9 @@
     unhealthy: workers:gpu
 
 Exit codes: 0 healthy; 1 unhealthy (the failing checks are named, on stderr in the human
-form and in ``failing`` of ``--json``); 2 bad usage (an unknown option, a negative
+form and in ``failing`` of ``--json``; a database that does not answer within
+``HEALTH_TIMEOUT_SECONDS`` fails ``database`` as ``timed out``, ``"reason": "timeout"`` in
+``--json``); 2 bad usage (an unknown option, a negative
 threshold). ``--liveness`` reads nothing and exits 0: the process starts and its settings
 load (a liveness probe must not fail because the database does).
 """
@@ -27,7 +29,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_workflows.conf import workflow_settings
 from django_workflows.health.checks import evaluate
-from django_workflows.health.state import snapshot
+from django_workflows.health.views import bounded_snapshot
 
 EXIT_HEALTHY = 0
 EXIT_UNHEALTHY = 1
@@ -98,7 +100,7 @@ class Command(BaseCommand):
         lag = options["max_outbox_lag_seconds"]
         dead = options["max_dead_letters"]
         report = evaluate(
-            snapshot(),
+            bounded_snapshot(),
             queues=queues,
             max_outbox_lag_seconds=(
                 lag if lag is not None else workflow_settings.HEALTH_MAX_OUTBOX_LAG_SECONDS
