@@ -85,7 +85,9 @@ def probe_database(alias: str = DEFAULT_DB_ALIAS, timeout_seconds: float | None 
     settings_dict = copy.deepcopy(wrapper.settings_dict)
     if wrapper.vendor == "postgresql":
         options = settings_dict.setdefault("OPTIONS", {})
-        options["connect_timeout"] = max(1, math.ceil(timeout))
+        # libpq counts whole seconds and treats anything under 2 as 2, so a budget under
+        # 2 s can be overrun by a connect that hangs (documented with the setting).
+        options["connect_timeout"] = max(2, math.ceil(timeout))
         # Pool settings (if any) must not hand this probe a pooled connection.
         options.pop("pool", None)
     if wrapper.vendor == "sqlite":
