@@ -11,7 +11,7 @@ import pytest
 from django.db import connection
 
 from django_workflows.kernel import rows
-from django_workflows.models import OutboxEvent, WorkflowRun
+from django_workflows.models import OutboxEvent, WorkflowJob, WorkflowRun, WorkflowStage
 
 pytestmark = pytest.mark.django_db
 
@@ -121,3 +121,54 @@ def test_the_kept_cursor_is_made_anew_whenever_django_would_make_it_differently(
         assert conn.connection is not raw and reopened is not checked
     reopened.execute("SELECT 1")
     assert reopened.fetchall() == [(1,)]
+
+
+@pytest.mark.parametrize("model", [WorkflowRun, WorkflowStage, WorkflowJob, OutboxEvent])
+def test_a_new_instance_has_every_default_the_model_would_give(model: type) -> None:
+    """``rows.new`` keeps constant defaults once per model (issue 19: Python calls per stage);
+    every field still gets what ``field.get_default()`` gives, and a callable default (``dict``,
+    ``uuid4``) is called for each instance, never shared."""
+    ours, again = rows.new(model), rows.new(model)
+    for field in model._meta.concrete_fields:
+        expected = field.get_default()
+        value = getattr(ours, field.attname)
+        if field.has_default() and callable(field.default):
+            assert type(value) is type(expected), field.name
+            if isinstance(value, (dict, list, uuid.UUID)):
+                assert value is not getattr(again, field.attname), field.name
+        elif field.has_db_default() and not field.has_default():
+            assert type(value) is type(expected), field.name
+        else:
+            assert value == expected and type(value) is type(expected), field.name
+    assert ours._state.adding
+
+
+def test_a_new_instance_takes_the_values_given_and_refuses_unknown_names() -> None:
+    run_id = uuid.uuid4()
+    job = rows.new(WorkflowJob, workflow_run_id=run_id, stage_id="s", payload=None)
+    assert (job.workflow_run_id, job.stage_id, job.payload) == (run_id, "s", None)
+    assert job.status == WorkflowJob._meta.get_field("status").get_default()
+    with pytest.raises(TypeError, match="no fields \\['nope'\\]"):
+        rows.new(WorkflowJob, stage_id="s", nope=1)
+
+
+@pytest.mark.parametrize(
+    ("model", "name", "value"),
+    [
+        (WorkflowStage, "run_id", uuid.uuid4()),
+        (WorkflowStage, "run_id", str(uuid.uuid4())),
+        (WorkflowJob, "status", "PENDING"),
+        (WorkflowJob, "attempt", 2),
+        (OutboxEvent, "created_at", datetime(2026, 12, 3, 6, 0, tzinfo=UTC)),
+        (WorkflowRun, "id", None),
+    ],
+)
+def test_a_parameter_is_prepared_as_a_filter_would_prepare_it(
+    model: type, name: str, value: object
+) -> None:
+    field = model._meta.get_field(name)
+    ours = rows.prep(model, name, value)
+    orm = field.get_db_prep_value(value, connection, prepared=False)
+    assert ours == orm
+    if type(value) is not int:  # the ORM may wrap an int for psycopg (Int4): the same number
+        assert type(ours) is type(orm)
