@@ -27,6 +27,7 @@ Only the shapes the stage path needs are here; everything else stays on the ORM.
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -34,7 +35,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, connections
-from django.db.models import Model
+from django.db.models import JSONField, Model
 from django.db.models.base import ModelState
 from django.db.models.fields import return_None
 from django.db.models.functions import Now
@@ -184,6 +185,41 @@ def now_sql() -> str:
 # --- Reads --------------------------------------------------------------------------------------
 
 
+def _converters(fields: Sequence[Any], table: str, connection: Any) -> list[tuple[int, list[Any]]]:
+    """``[(index, converters)]``: what Django's compiler applies to each selected column
+    (``connection.ops.get_db_converters`` + the field's), for the columns that have any. A
+    plain ``JSONField`` (no ``decoder``) gets :func:`_json_value`, which decodes as its
+    ``from_db_value`` does in fewer calls (about 20 JSON values are read per stage).
+    """
+    out = []
+    for i, f in enumerate(fields):
+        col = f.get_col(table)
+        found = connection.ops.get_db_converters(col) + col.get_db_converters(connection)
+        if type(f) is JSONField and f.decoder is None and found == [f.from_db_value]:
+            found = [_json_value]
+        if found:
+            out.append((i, found))
+    return out
+
+
+#: What ``json.loads(text)`` calls when given no other argument.
+_decode_json = json.JSONDecoder().decode
+
+
+def _json_value(value: Any, expression: Any, connection: Any) -> Any:
+    """``JSONField.from_db_value`` of a plain field (no ``decoder``) for a selected column:
+    ``None`` stays ``None``, text is decoded (text that is not JSON is returned as it is, as
+    there), anything else goes through ``json.loads`` as there (bytes)."""
+    if value is None:
+        return None
+    try:
+        if type(value) is str:
+            return _decode_json(value)
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
 def _reader(
     model: type[Model], connection: Any
 ) -> tuple[str, list[str], list[tuple[int, list[Any]]]]:
@@ -194,12 +230,7 @@ def _reader(
         table = model._meta.db_table
         fields = model._meta.concrete_fields
         columns = ", ".join(f"{_q(table)}.{_q(f.column)}" for f in fields)
-        converters = []
-        for i, f in enumerate(fields):
-            col = f.get_col(table)
-            found = connection.ops.get_db_converters(col) + col.get_db_converters(connection)
-            if found:
-                converters.append((i, found))
+        converters = _converters(fields, table, connection)
         shape = _shapes[key] = (columns, [f.attname for f in fields], converters)
     return shape
 
@@ -293,12 +324,7 @@ def column_values(
     skey = ("values", connection.vendor, model, tuple(columns), key_column)
     shape = _shapes.get(skey)
     if shape is None:
-        converters = []
-        for i, f in enumerate(fields):
-            col = f.get_col(table)
-            found = connection.ops.get_db_converters(col) + col.get_db_converters(connection)
-            if found:
-                converters.append((i, found))
+        converters = _converters(fields, table, connection)
         head = (
             f"SELECT {', '.join(_q(f.column) for f in fields)} FROM {_q(table)} "
             f"WHERE {_q(meta.get_field(key_column).column)} IN "

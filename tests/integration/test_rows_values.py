@@ -172,3 +172,43 @@ def test_a_parameter_is_prepared_as_a_filter_would_prepare_it(
     assert ours == orm
     if type(value) is not int:  # the ORM may wrap an int for psycopg (Int4): the same number
         assert type(ours) is type(orm)
+
+
+@pytest.mark.parametrize(
+    "text", [None, '{"a": [1, 2.5, null]}', '"x"', "3", "not json", b'{"b": 1}']
+)
+def test_a_json_column_is_read_as_the_field_reads_it(text: object) -> None:
+    field = WorkflowRun._meta.get_field("input")
+    ((_, (convert,)),) = rows._converters([field], WorkflowRun._meta.db_table, connection)
+    assert convert is rows._json_value  # the plain JSONField takes the short way
+    ours = convert(text, None, connection)
+    assert ours == field.from_db_value(text, None, connection)
+    assert type(ours) is type(field.from_db_value(text, None, connection))
+
+
+def test_a_stage_record_read_back_has_the_values_written() -> None:
+    """Through the short JSON decoding: a stage record read by ``rows.select`` has the values
+    ``save()`` wrote, JSON columns included."""
+    now = datetime(2026, 12, 3, 6, 0, tzinfo=UTC)
+    times = {"created_at": now, "updated_at": now}
+    run = WorkflowRun.objects.create(
+        workflow_id="w", workflow_name="w", input={"n": [1, "x"]}, **times
+    )
+    stage = WorkflowStage.objects.create(
+        run=run,
+        stage_id="s",
+        stage_name="s",
+        stage_number=1,
+        execution_group=1,
+        output_data={"k": {"v": None}},
+        **times,
+    )
+    (read,) = rows.select(
+        WorkflowStage, "test_read_back", "id = %s", [rows.prep(WorkflowStage, "id", stage.pk)]
+    )
+    assert read.output_data == {"k": {"v": None}}
+    assert read.metrics == WorkflowStage.objects.get(pk=stage.pk).metrics
+    (run_read,) = rows.select(
+        WorkflowRun, "test_read_back", "id = %s", [rows.prep(WorkflowRun, "id", run.pk)]
+    )
+    assert run_read.input == {"n": [1, "x"]}
