@@ -138,7 +138,51 @@ def db_value(entry: tuple[Any, str, type | None, str], value: Any, connection: A
     Not for expressions (``Now()``, ``F()``)."""
     if value is None or _is_plain(entry[2], value):
         return value
-    return entry[0].get_db_prep_save(value, connection)
+    return _prep_save(entry[0], value, connection)
+
+
+def _prep_save(field: Any, value: Any, connection: Any) -> Any:
+    """``field.get_db_prep_save(value, connection)``, the short way for a ``dict`` or ``list``
+    written to a ``JSONField`` on PostgreSQL: the same ``Jsonb`` adapter, dumped by an encoder
+    made once per encoder class with the arguments ``json.dumps`` passes it (the field's way
+    makes a ``partial`` per value and ``json.dumps`` a new encoder per value; about 7 JSON
+    values are written per stage).
+    """
+    if (
+        type(value) in (dict, list)
+        and type(field) is JSONField
+        and connection.vendor == "postgresql"
+    ):
+        from psycopg.types.json import Jsonb
+
+        return Jsonb(value, dumps=_json_dumps(field.encoder))
+    return field.get_db_prep_save(value, connection)
+
+
+_dumps_by_encoder: dict[Any, Callable[[Any], str]] = {}
+
+
+def _json_dumps(encoder: Any) -> Callable[[Any], str]:
+    """What ``json.dumps(value, cls=encoder)`` does, without a new encoder per value
+    (``json.dumps`` itself when ``encoder`` is ``None``). An encoder keeps no state between
+    ``encode`` calls, so one instance serves every thread."""
+    dumps = _dumps_by_encoder.get(encoder)
+    if dumps is None:
+        if encoder is None:
+            dumps = json.dumps
+        else:
+            dumps = encoder(
+                skipkeys=False,
+                ensure_ascii=True,
+                check_circular=True,
+                allow_nan=True,
+                indent=None,
+                separators=None,
+                default=None,
+                sort_keys=False,
+            ).encode
+        _dumps_by_encoder[encoder] = dumps
+    return dumps
 
 
 def _write_value(
@@ -153,7 +197,7 @@ def _write_value(
         sql, value_params = _compile(model, value)
         params += value_params
         return sql
-    params.append(field.get_db_prep_save(value, conn))
+    params.append(_prep_save(field, value, conn))
     return "%s"
 
 

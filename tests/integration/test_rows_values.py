@@ -212,3 +212,25 @@ def test_a_stage_record_read_back_has_the_values_written() -> None:
         WorkflowRun, "test_read_back", "id = %s", [rows.prep(WorkflowRun, "id", run.pk)]
     )
     assert run_read.input == {"n": [1, "x"]}
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"a": [1, 2.5, None], "when": datetime(2026, 12, 3, 6, 0, tzinfo=UTC)},
+        [{"id": uuid.UUID(int=7)}, "ü", float("nan")],
+        {},
+    ],
+)
+def test_a_json_value_is_written_as_the_field_would_write_it(value: object) -> None:
+    """A dict or list for a JSONField takes the short way on PostgreSQL (one encoder per
+    encoder class): the same adapter type, the same text as the field's own ``json.dumps``
+    with its ``DjangoJSONEncoder``."""
+    field = WorkflowStage._meta.get_field("output_data")
+    ours = rows.db_value(_entry(WorkflowStage, "output_data"), value, connection)
+    orm = field.get_db_prep_save(value, connection)
+    assert type(ours) is type(orm)
+    if connection.vendor == "postgresql":
+        assert ours.obj is value and ours.dumps(ours.obj) == orm.dumps(orm.obj)
+    else:
+        assert ours == orm
