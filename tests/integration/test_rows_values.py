@@ -11,7 +11,7 @@ import pytest
 from django.db import connection
 
 from django_workflows.kernel import rows
-from django_workflows.models import OutboxEvent, WorkflowRun
+from django_workflows.models import OutboxEvent, WorkflowJob, WorkflowRun, WorkflowStage
 
 pytestmark = pytest.mark.django_db
 
@@ -121,3 +121,116 @@ def test_the_kept_cursor_is_made_anew_whenever_django_would_make_it_differently(
         assert conn.connection is not raw and reopened is not checked
     reopened.execute("SELECT 1")
     assert reopened.fetchall() == [(1,)]
+
+
+@pytest.mark.parametrize("model", [WorkflowRun, WorkflowStage, WorkflowJob, OutboxEvent])
+def test_a_new_instance_has_every_default_the_model_would_give(model: type) -> None:
+    """``rows.new`` keeps constant defaults once per model (issue 19: Python calls per stage);
+    every field still gets what ``field.get_default()`` gives, and a callable default (``dict``,
+    ``uuid4``) is called for each instance, never shared."""
+    ours, again = rows.new(model), rows.new(model)
+    for field in model._meta.concrete_fields:
+        expected = field.get_default()
+        value = getattr(ours, field.attname)
+        if field.has_default() and callable(field.default):
+            assert type(value) is type(expected), field.name
+            if isinstance(value, (dict, list, uuid.UUID)):
+                assert value is not getattr(again, field.attname), field.name
+        elif field.has_db_default() and not field.has_default():
+            assert type(value) is type(expected), field.name
+        else:
+            assert value == expected and type(value) is type(expected), field.name
+    assert ours._state.adding
+
+
+def test_a_new_instance_takes_the_values_given_and_refuses_unknown_names() -> None:
+    run_id = uuid.uuid4()
+    job = rows.new(WorkflowJob, workflow_run_id=run_id, stage_id="s", payload=None)
+    assert (job.workflow_run_id, job.stage_id, job.payload) == (run_id, "s", None)
+    assert job.status == WorkflowJob._meta.get_field("status").get_default()
+    with pytest.raises(TypeError, match="no fields \\['nope'\\]"):
+        rows.new(WorkflowJob, stage_id="s", nope=1)
+
+
+@pytest.mark.parametrize(
+    ("model", "name", "value"),
+    [
+        (WorkflowStage, "run_id", uuid.uuid4()),
+        (WorkflowStage, "run_id", str(uuid.uuid4())),
+        (WorkflowJob, "status", "PENDING"),
+        (WorkflowJob, "attempt", 2),
+        (OutboxEvent, "created_at", datetime(2026, 12, 3, 6, 0, tzinfo=UTC)),
+        (WorkflowRun, "id", None),
+    ],
+)
+def test_a_parameter_is_prepared_as_a_filter_would_prepare_it(
+    model: type, name: str, value: object
+) -> None:
+    field = model._meta.get_field(name)
+    ours = rows.prep(model, name, value)
+    orm = field.get_db_prep_value(value, connection, prepared=False)
+    assert ours == orm
+    if type(value) is not int:  # the ORM may wrap an int for psycopg (Int4): the same number
+        assert type(ours) is type(orm)
+
+
+@pytest.mark.parametrize(
+    "text", [None, '{"a": [1, 2.5, null]}', '"x"', "3", "not json", b'{"b": 1}']
+)
+def test_a_json_column_is_read_as_the_field_reads_it(text: object) -> None:
+    field = WorkflowRun._meta.get_field("input")
+    ((_, (convert,)),) = rows._converters([field], WorkflowRun._meta.db_table, connection)
+    assert convert is rows._json_value  # the plain JSONField takes the short way
+    ours = convert(text, None, connection)
+    assert ours == field.from_db_value(text, None, connection)
+    assert type(ours) is type(field.from_db_value(text, None, connection))
+
+
+def test_a_stage_record_read_back_has_the_values_written() -> None:
+    """Through the short JSON decoding: a stage record read by ``rows.select`` has the values
+    ``save()`` wrote, JSON columns included."""
+    now = datetime(2026, 12, 3, 6, 0, tzinfo=UTC)
+    times = {"created_at": now, "updated_at": now}
+    run = WorkflowRun.objects.create(
+        workflow_id="w", workflow_name="w", input={"n": [1, "x"]}, **times
+    )
+    stage = WorkflowStage.objects.create(
+        run=run,
+        stage_id="s",
+        stage_name="s",
+        stage_number=1,
+        execution_group=1,
+        output_data={"k": {"v": None}},
+        **times,
+    )
+    (read,) = rows.select(
+        WorkflowStage, "test_read_back", "id = %s", [rows.prep(WorkflowStage, "id", stage.pk)]
+    )
+    assert read.output_data == {"k": {"v": None}}
+    assert read.metrics == WorkflowStage.objects.get(pk=stage.pk).metrics
+    (run_read,) = rows.select(
+        WorkflowRun, "test_read_back", "id = %s", [rows.prep(WorkflowRun, "id", run.pk)]
+    )
+    assert run_read.input == {"n": [1, "x"]}
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"a": [1, 2.5, None], "when": datetime(2026, 12, 3, 6, 0, tzinfo=UTC)},
+        [{"id": uuid.UUID(int=7)}, "ü", float("nan")],
+        {},
+    ],
+)
+def test_a_json_value_is_written_as_the_field_would_write_it(value: object) -> None:
+    """A dict or list for a JSONField takes the short way on PostgreSQL (one encoder per
+    encoder class): the same adapter type, the same text as the field's own ``json.dumps``
+    with its ``DjangoJSONEncoder``."""
+    field = WorkflowStage._meta.get_field("output_data")
+    ours = rows.db_value(_entry(WorkflowStage, "output_data"), value, connection)
+    orm = field.get_db_prep_save(value, connection)
+    assert type(ours) is type(orm)
+    if connection.vendor == "postgresql":
+        assert ours.obj is value and ours.dumps(ours.obj) == orm.dumps(orm.obj)
+    else:
+        assert ours == orm
