@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -54,3 +54,26 @@ def page(live_server: Any) -> Iterator[Any]:
         yield tab
         context.close()
         browser.close()
+
+
+#: The superuser each browser test's world creates (``create_superuser(ADMIN_USER, ...,
+#: ADMIN_PASSWORD)``) and :func:`log_in` signs in as.
+ADMIN_USER = "admin"
+ADMIN_PASSWORD = "s3cret-pw"
+
+
+@pytest.fixture
+def log_in(page: Any, live_server: Any) -> Callable[[], None]:
+    """A function that signs ``page`` in to the admin of ``live_server`` as :data:`ADMIN_USER`
+    (which the test's world must have created) and waits for the admin index."""
+    from django.urls import reverse
+
+    def sign_in() -> None:
+        base = live_server.url
+        page.goto(base + reverse("admin:login"))
+        page.fill("#id_username", ADMIN_USER)
+        page.fill("#id_password", ADMIN_PASSWORD)
+        page.click("input[type=submit]")
+        page.wait_for_url(f"{base}/admin/")
+
+    return sign_in

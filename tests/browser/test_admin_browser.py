@@ -172,7 +172,7 @@ def _messages(page: Any) -> str:
 
 
 def test_operator_session_in_chromium(
-    live_server: Any, world: dict[str, Any], page: Any, tmp_path: Path
+    live_server: Any, log_in: Any, world: dict[str, Any], page: Any, tmp_path: Path
 ) -> None:
     base = live_server.url
     SHOTS = Path(os.environ.get("DW_SCREENSHOT_DIR") or tmp_path)
@@ -182,11 +182,7 @@ def test_operator_session_in_chromium(
         return base + reverse("admin:django_workflows_workflowrun_change", args=[run_id])
 
     # log in
-    page.goto(base + reverse("admin:login"))
-    page.fill("#id_username", "admin")
-    page.fill("#id_password", "s3cret-pw")
-    page.click("input[type=submit]")
-    page.wait_for_url(f"{base}/admin/")
+    log_in()
 
     # the runs list: every run, why each waits, key columns visible at 1440 px
     page.goto(base + reverse("admin:django_workflows_workflowrun_changelist"))

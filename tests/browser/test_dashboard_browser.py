@@ -126,15 +126,13 @@ def world(django_user_model: Any) -> Iterator[None]:
     os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
 
 
-def test_dashboard_in_chromium(live_server: Any, world: None, page: Any, tmp_path: Path) -> None:
+def test_dashboard_in_chromium(
+    live_server: Any, log_in: Any, world: None, page: Any, tmp_path: Path
+) -> None:
     base = live_server.url
     shots = Path(os.environ.get("DW_SCREENSHOT_DIR") or tmp_path)
     shots.mkdir(parents=True, exist_ok=True)
-    page.goto(base + reverse("admin:login"))
-    page.fill("#id_username", "admin")
-    page.fill("#id_password", "s3cret-pw")
-    page.click("input[type=submit]")
-    page.wait_for_url(f"{base}/admin/")
+    log_in()
 
     # from the app list to the dashboard (default window: 24 hours)
     page.click("a[href$='/admin/django_workflows/dashboard/']")

@@ -223,7 +223,7 @@ def _no_sideways_scroll(page: Any, selector: str) -> None:
 
 
 def test_issue18_features_in_the_admin(
-    live_server: Any, world: dict[str, Any], page: Any, tmp_path: Path
+    live_server: Any, log_in: Any, world: dict[str, Any], page: Any, tmp_path: Path
 ) -> None:
     base = live_server.url
     shots = Path(os.environ.get("DW_SCREENSHOT_DIR") or tmp_path)
@@ -237,11 +237,7 @@ def test_issue18_features_in_the_admin(
             has=page.locator("td:first-child strong", has_text=stage_id)
         )
 
-    page.goto(base + reverse("admin:login"))
-    page.fill("#id_username", "admin")
-    page.fill("#id_password", "s3cret-pw")
-    page.click("input[type=submit]")
-    page.wait_for_url(f"{base}/admin/")
+    log_in()
 
     # 1. a skipped conditional stage and a branch not taken
     page.goto(run_page(world["orders"]))

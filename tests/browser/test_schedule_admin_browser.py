@@ -71,17 +71,13 @@ def world(django_user_model: Any) -> Iterator[None]:
 
 
 def test_schedules_list_and_pause_in_chromium(
-    live_server: Any, world: None, page: Any, tmp_path: Path
+    live_server: Any, log_in: Any, world: None, page: Any, tmp_path: Path
 ) -> None:
     shots = Path(os.environ.get("DW_SCREENSHOT_DIR") or tmp_path)
     shots.mkdir(parents=True, exist_ok=True)
     base = live_server.url
     page.set_viewport_size({"width": 1440, "height": 700})
-    page.goto(base + reverse("admin:login"))
-    page.fill("#id_username", "admin")
-    page.fill("#id_password", "s3cret-pw")
-    page.click("input[type=submit]")
-    page.wait_for_url(f"{base}/admin/")
+    log_in()
     page.goto(base + reverse("admin:django_workflows_workflowschedule_changelist"))
     table = page.locator("#result_list")
     assert table.locator("tbody tr").count() == 3
