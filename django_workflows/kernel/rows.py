@@ -168,19 +168,9 @@ def _json_dumps(encoder: Any) -> Callable[[Any], str]:
     ``encode`` calls, so one instance serves every thread."""
     dumps = _dumps_by_encoder.get(encoder)
     if dumps is None:
-        if encoder is None:
-            dumps = json.dumps
-        else:
-            dumps = encoder(
-                skipkeys=False,
-                ensure_ascii=True,
-                check_circular=True,
-                allow_nan=True,
-                indent=None,
-                separators=None,
-                default=None,
-                sort_keys=False,
-            ).encode
+        # ``json.dumps(value, cls=encoder)`` builds ``encoder()`` with JSONEncoder's own
+        # defaults, so one such instance's ``encode`` is the same function.
+        dumps = json.dumps if encoder is None else encoder().encode
         _dumps_by_encoder[encoder] = dumps
     return dumps
 
