@@ -1,10 +1,10 @@
 """``run.claimPending`` (SPEC §4.2, K-CP-1..6; Part I item 2).
 
 Claims up to ``max_claims`` PENDING runs (``SKIP LOCKED`` on PostgreSQL), each moved to RUNNING.
-Each claimed run is prepared inside its own savepoint: a failure rolls back only that run's
-preparation, and the run is failed with ``CLAIM_FAILED`` (EC-26). Missing workflows fail the run
-with ``WORKFLOW_NOT_FOUND`` (K-CP-2); group-1 records are upserted and jobs enqueued for those
-that are PENDING (K-CP-4).
+Each claimed run is prepared inside its own savepoint (:func:`..savepoints.rollback_point`, ended
+by the commit): a failure rolls back only that run's preparation, and the run is failed with
+``CLAIM_FAILED`` (EC-26). Missing workflows fail the run with ``WORKFLOW_NOT_FOUND`` (K-CP-2);
+group-1 records are upserted and jobs enqueued for those that are PENDING (K-CP-4).
 """
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from django.db import transaction
-
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
 from .. import events as ev
 from ..children import wake_parent
 from ..commands import ClaimedRun, ClaimPendingRuns, ClaimPendingRunsResult
 from ..limits import claim_next_allowed_run
 from ..locking import claim_next_pending_run
+from ..savepoints import rollback_point
 from ..stage_path.conditions import open_groups
 from ..stage_path.transition import advance_new_group
 from ..store import create_missing_stages, run_error, update_run, write_log
@@ -127,7 +126,7 @@ def start_claimed_run(
         )
     started_record: WorkflowStage | None = None
     try:
-        with transaction.atomic():  # savepoint: Part I item 2
+        with rollback_point():  # Part I item 2; released by the commit (issue 19)
             if not workflow.has_maps:
                 opened = open_stages(
                     kernel.queue, run, workflow.stages_in_group(1), workflow=workflow,
@@ -172,7 +171,7 @@ def _start_conditional(
     """:func:`start_claimed_run`'s first group for a workflow with conditions (issue 18): the
     group's conditions are decided here (:func:`..stage_path.conditions.open_groups`)."""
     try:
-        with transaction.atomic():  # savepoint: Part I item 2
+        with rollback_point():  # Part I item 2; released by the commit (issue 19)
             opened = open_groups(
                 kernel,
                 workflow,
