@@ -123,6 +123,62 @@ def test_the_kept_cursor_is_made_anew_whenever_django_would_make_it_differently(
     assert reopened.fetchall() == [(1,)]
 
 
+@pytest.mark.django_db(transaction=True)
+def test_the_kept_cursor_reads_timestamps_with_psycopgs_loader_giving_djangos_values() -> None:
+    """Issue 19: on PostgreSQL in UTC the kept cursor reads ``timestamptz`` with psycopg's own
+    loader (run in C by psycopg's binary package), not Django's Python subclass of it; the
+    values are Django's to the tzinfo object."""
+    from django.db import connections
+    from psycopg.pq import Format
+
+    conn = connections["default"]
+    if conn.vendor != "postgresql":
+        pytest.skip("the cursor is kept on PostgreSQL only")
+    cursor = rows._cursor(conn)
+    timestamptz = conn.connection.adapters.types["timestamptz"].oid
+    ours = cursor.cursor.adapters.get_loader(timestamptz, Format.TEXT)
+    django = conn.connection.adapters.get_loader(timestamptz, Format.TEXT)
+    assert ours.__name__ == "TimestamptzLoader" and ours.__module__.startswith("psycopg")
+    assert django.__module__.startswith("django")  # every other cursor keeps Django's
+    for text in (
+        "2026-01-01T10:00:00.123456+02:00",
+        "1999-12-31T23:59:59Z",
+        "2026-06-30 12:00:00-09:30",
+        "0001-01-01 00:00:00+00",
+    ):
+        cursor.execute("SELECT %s::timestamptz", [text])
+        (value,) = cursor.fetchone()
+        with conn.cursor() as plain:
+            plain.execute("SELECT %s::timestamptz", [text])
+            (expected,) = plain.fetchone()
+        assert value == expected and value.tzinfo is expected.tzinfo is UTC
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_database_time_zone_other_than_utc_keeps_djangos_timestamp_loader() -> None:
+    """Where Django gives timestamps another time zone (``DATABASES["TIME_ZONE"]``), the kept
+    cursor keeps Django's loader: psycopg's would not give the same values."""
+    from zoneinfo import ZoneInfo
+
+    from django.db import connections
+    from psycopg.pq import Format
+
+    conn = connections["default"]
+    if conn.vendor != "postgresql":
+        pytest.skip("the cursor is kept on PostgreSQL only")
+    conn.ensure_connection()
+    conn.__dict__["timezone"] = ZoneInfo("Europe/Paris")  # Django's cached_property
+    try:
+        rows._local.cursor = None
+        cursor = rows._cursor(conn)
+        timestamptz = conn.connection.adapters.types["timestamptz"].oid
+        loader = cursor.cursor.adapters.get_loader(timestamptz, Format.TEXT)
+        assert loader.__module__.startswith("django")
+    finally:
+        del conn.__dict__["timezone"]
+        rows._local.cursor = None
+
+
 @pytest.mark.parametrize("model", [WorkflowRun, WorkflowStage, WorkflowJob, OutboxEvent])
 def test_a_new_instance_has_every_default_the_model_would_give(model: type) -> None:
     """``rows.new`` keeps constant defaults once per model (issue 19: Python calls per stage);
