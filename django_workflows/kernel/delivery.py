@@ -17,25 +17,26 @@ A worker runs this story in a loop (:func:`work`, here); each step is a module o
    ``ctx.is_cancelled()`` turns true and the outcome becomes a ``StageTimeout`` failure; a body
    still running after the grace has that failure committed for it through step 3 (fenced) and its
    worker process recycled.
-3. **Outcome** (:mod:`.stage_path.outcome`; one transaction): lock the run (RUNNING guard), settle
-   the job *fenced by the token* (``UPDATE ... WHERE id = ? AND status = RUNNING AND attempt = ?``),
-   write the outcome (:func:`.stage_path.records.write_outcome`: stage record, output blob,
-   annotations, logs, events), transition the run (:func:`.stage_path.transition.advance`: the next
-   group's stage records and jobs; the first new job is leased to this worker at once, its stage
-   marked RUNNING), and append every event with gap-free sequences. Either all of it commits or none
-   of it: a stage can no longer be COMPLETED without its transition. The delivery's events, from
-   ``stage:started`` to its outcome's, carry one causation id (SPEC K-5, K-JE-2); the next stage
-   leased in the same commit is a delivery of its own.
+3. **Outcome** (:mod:`.stage_path.outcome`; one transaction): lock the run (RUNNING guard), write
+   the outcome (:func:`.stage_path.records.write_outcome`: stage record, output blob, annotations,
+   logs, events) and settle the job *fenced by the token* (``UPDATE ... WHERE id = ? AND status =
+   RUNNING AND attempt = ?``; a completed stage's record and output blob ride in that statement,
+   :func:`.rows.update`'s ``carrying``), transition the run
+   (:func:`.stage_path.transition.advance`: the next group's stage records and jobs; the first new
+   job is leased to this worker at once, its stage marked RUNNING), and append every event with
+   gap-free sequences. Either all of it commits or none of it: a stage can no longer be COMPLETED
+   without its transition. The delivery's events, from ``stage:started`` to its outcome's, carry
+   one causation id (SPEC K-5, K-JE-2); the next stage leased in the same commit is a delivery of
+   its own.
 
-   A delivery whose lease was taken over (paused past its lease, a skewed clock, a lost
-   connection) matches no row: the transaction rolls back and the result is discarded like a
-   ghost - no record, output or event changes, only a WARN log line. A rerun takes back the
-   jobs of the old generation still out, a live lease included (``run.rerunFrom``), so a late
-   outcome of the old generation is discarded the same way. A run that left RUNNING
-   (cancelled) makes the result a ghost: only the job is failed, without retry.
-   An outcome that does not continue its run leases the worker's next delivery in the same
-   commit instead (:func:`.stage_path.lease.lease_within`: any ready job or PENDING run, its
-   run locked without waiting), so a worker spends one transaction per stage.
+   A delivery whose lease was taken over (paused past its lease, a skewed clock, a lost connection)
+   matches no row: the transaction rolls back and the result is discarded like a ghost - no record,
+   output or event changes, only a WARN log line. A rerun takes back the jobs of the old generation
+   still out, a live lease included (``run.rerunFrom``), so a late outcome of the old generation is
+   discarded the same way. A run that left RUNNING (cancelled) makes the result a ghost: only the
+   job is failed, without retry. An outcome that does not continue its run leases the worker's next
+   delivery in the same commit instead (:func:`.stage_path.lease.lease_within`: any ready job or
+   PENDING run, its run locked without waiting), so a worker spends one transaction per stage.
 4. If step 3 leased a delivery, go to 2 with it; if it looked and found no work, stop;
    otherwise go to 1.
 

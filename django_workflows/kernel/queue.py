@@ -19,7 +19,7 @@ and, through ``run.transition``, the run; without a hook only the job row is fai
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -243,13 +243,18 @@ class JobQueue:
 
     @staticmethod
     def _fenced_update(
-        job_id: int, from_status: str, attempt: int | None, values: dict[str, Any]
+        job_id: int,
+        from_status: str,
+        attempt: int | None,
+        values: dict[str, Any],
+        carrying: Sequence[rows.Write] = (),
     ) -> int:
-        """Update the job only while it is in ``from_status`` (and at ``attempt``, if given)."""
+        """Update the job only while it is in ``from_status`` (and at ``attempt``, if given).
+        ``carrying``: writes sent in the same statement (:func:`.rows.update`)."""
         where: dict[str, Any] = {"status": from_status}
         if attempt is not None:
             where["attempt"] = attempt
-        return rows.update(WorkflowJob, job_id, values, where=where)
+        return rows.update(WorkflowJob, job_id, values, where=where, carrying=carrying)
 
     def complete(
         self,
@@ -258,10 +263,13 @@ class JobQueue:
         from_status: str = Status.RUNNING,
         attempt: int | None = None,
         extra: dict[str, Any] | None = None,
+        carrying: Sequence[rows.Write] = (),
     ) -> bool:
         """RUNNING (or ``from_status``) -> COMPLETED (DM-42, SM-21/26); with ``attempt`` only
         if the job is still at that delivery (fencing). ``extra``: more columns set in the
-        same UPDATE (a map item's ``item_output``).
+        same UPDATE (a map item's ``item_output``). ``carrying``: writes sent with the UPDATE
+        whether or not the fence holds (:func:`.rows.update`; the stage path's outcome rolls
+        back when it does not): the stage's record and output (issue 19).
         """
         now = self.clock.now()
         return bool(
@@ -277,6 +285,7 @@ class JobQueue:
                     locked_at=None,
                     **(extra or {}),
                 ),
+                carrying,
             )
         )
 

@@ -34,7 +34,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.models import JSONField, Model
@@ -410,6 +410,17 @@ def column_values(
 # --- Writes -------------------------------------------------------------------------------------
 
 
+class Write(NamedTuple):
+    """A data-modifying statement built but not sent: ``sql`` (``%s`` placeholders) and its
+    ``params``. :func:`update` sends writes in its own statement (``carrying=``): on PostgreSQL
+    as data-modifying ``WITH`` clauses, one round trip for all (issue 19); elsewhere one by one
+    before it. Made by :func:`update_write` and :func:`insert_write`.
+    """
+
+    sql: str
+    params: list[Any]
+
+
 def update(
     model: type[Model],
     pk: Any,
@@ -417,14 +428,69 @@ def update(
     *,
     where: dict[str, Any] | None = None,
     bump_version: bool = False,
+    carrying: Sequence[Write] = (),
 ) -> int:
-    """``UPDATE <table> SET <values> WHERE pk = ? [AND col = ? ...]``; returns the row count.
+    """``UPDATE <table> SET <values> WHERE pk = ? [AND col = ? ...]``; returns the row count
+    of this update (not of the writes it carries).
 
     ``values``: field names to new values (prepared by their fields; expressions compiled).
     ``where``: further equality conditions (the fence: ``status``, ``attempt``).
     ``bump_version``: also ``version = version + 1`` (DM-5).
+    ``carrying``: writes sent with this update, which take effect whatever its row count
+    (a caller whose fence matched no row rolls its transaction back). On PostgreSQL they are
+    ``WITH carried_N AS (<write>)`` clauses of this very statement: all of them see the
+    transaction as it was before it, so none may touch a row another of them (or this
+    update) touches. Elsewhere each is executed first, in order.
     """
     connection = _conn()
+    sql, params = _update_sql(connection, model, pk, values, where, bump_version)
+    cursor = _cursor(connection)
+    if carrying:
+        if connection.vendor == "postgresql":
+            sql, params = _with(carrying, sql, params)
+        else:
+            for write in carrying:
+                cursor.execute(write.sql, write.params)
+    cursor.execute(sql, params)
+    return cursor.rowcount
+
+
+def send(writes: Sequence[Write]) -> None:
+    """Send ``writes`` one by one (writes that have no statement to ride in)."""
+    if not writes:
+        return
+    cursor = _cursor(_conn())
+    for write in writes:
+        cursor.execute(write.sql, write.params)
+
+
+def _with(carrying: Sequence[Write], sql: str, params: list[Any]) -> tuple[str, list[Any]]:
+    """``sql`` with ``carrying`` as its data-modifying ``WITH`` clauses (PostgreSQL)."""
+    clauses = ", ".join(f"carried_{i} AS ({w.sql})" for i, w in enumerate(carrying))
+    return f"WITH {clauses} {sql}", [p for w in carrying for p in w.params] + params
+
+
+def update_write(
+    model: type[Model],
+    pk: Any,
+    values: dict[str, Any],
+    *,
+    where: dict[str, Any] | None = None,
+    bump_version: bool = False,
+) -> Write:
+    """The statement :func:`update` sends for these arguments, not sent."""
+    return Write(*_update_sql(_conn(), model, pk, values, where, bump_version))
+
+
+def _update_sql(
+    connection: Any,
+    model: type[Model],
+    pk: Any,
+    values: dict[str, Any],
+    where: dict[str, Any] | None,
+    bump_version: bool,
+) -> tuple[str, list[Any]]:
+    """``(sql, params)`` of the ``UPDATE`` (see :func:`update`)."""
     meta = model._meta
     where = where or {}
     skey = ("update", connection.vendor, model, tuple(values), tuple(where), bump_version)
@@ -460,9 +526,7 @@ def update(
             if _is_plain(entry[2], value)
             else entry[0].get_db_prep_value(value, connection, prepared=False)
         )
-    cursor = _cursor(connection)
-    cursor.execute(prefix + ", ".join(sets) + tail, params)
-    return cursor.rowcount
+    return prefix + ", ".join(sets) + tail, params
 
 
 def new(model: type[M], **values: Any) -> M:
@@ -536,6 +600,49 @@ def insert(
     meta = model._meta
     auto = meta.pk if getattr(meta.pk, "db_returning", False) else None  # AutoField
     returning = auto is not None and getattr(objs[0], meta.pk.attname) is None
+    sql, params = _insert_sql(objs, on_conflict, returning, connection)
+    cursor = _cursor(connection)
+    cursor.execute(sql, params)
+    ids = cursor.fetchall() if returning else None
+    if ids is not None:
+        assert auto is not None
+        for obj, (pk,) in zip(objs, ids, strict=True):
+            setattr(obj, auto.attname, pk)
+    for obj in objs:
+        obj._state.adding = False
+        obj._state.db = connection.alias
+
+
+def insert_write(
+    objs: Sequence[Model],
+    *,
+    on_conflict: tuple[Sequence[str], Sequence[str]] | None = None,
+) -> Write:
+    """The statement :func:`insert` sends for these instances, not sent (for
+    :func:`update`'s ``carrying``); the instances are left unsaved.
+
+    Raises:
+        ValueError: no instances, or their auto-increment primary key is unset (the
+            database would make it, and only :func:`insert` reads it back).
+    """
+    if not objs:
+        raise ValueError("insert_write() needs at least one instance")
+    meta = type(objs[0])._meta
+    if getattr(meta.pk, "db_returning", False) and getattr(objs[0], meta.pk.attname) is None:
+        raise ValueError(f"{meta.object_name}: an unset auto primary key needs insert()")
+    sql, params = _insert_sql(objs, on_conflict, False, _conn())
+    return Write(sql, params)
+
+
+def _insert_sql(
+    objs: Sequence[Model],
+    on_conflict: tuple[Sequence[str], Sequence[str]] | None,
+    returning: bool,
+    connection: Any,
+) -> tuple[str, list[Any]]:
+    """``(sql, params)`` of the ``INSERT`` of ``objs`` (see :func:`insert`)."""
+    model = type(objs[0])
+    meta = model._meta
     skey = ("insert", connection.vendor, model, returning, _freeze(on_conflict))
     shape = _shapes.get(skey)
     if shape is None:
@@ -576,16 +683,7 @@ def insert(
             else:
                 marks.append(_write_value(model, field, as_is, value, params, connection))
         groups.append("(" + ", ".join(marks) + ")")
-    cursor = _cursor(connection)
-    cursor.execute(head + ", ".join(groups) + tail, params)
-    ids = cursor.fetchall() if returning else None
-    if ids is not None:
-        assert auto is not None
-        for obj, (pk,) in zip(objs, ids, strict=True):
-            setattr(obj, auto.attname, pk)
-    for obj in objs:
-        obj._state.adding = False
-        obj._state.db = connection.alias
+    return head + ", ".join(groups) + tail, params
 
 
 def _freeze(on_conflict: tuple[Sequence[str], Sequence[str]] | None) -> Any:

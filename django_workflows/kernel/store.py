@@ -64,6 +64,13 @@ def update_stage(stage_pk: uuid.UUID, now: datetime, **fields: Any) -> int:
     return rows.update(WorkflowStage, stage_pk, {"updated_at": now, **fields}, bump_version=True)
 
 
+def update_stage_write(stage_pk: uuid.UUID, now: datetime, **fields: Any) -> rows.Write:
+    """:func:`update_stage`'s statement, not sent (for :func:`.rows.update`'s ``carrying``)."""
+    return rows.update_write(
+        WorkflowStage, stage_pk, {"updated_at": now, **fields}, bump_version=True
+    )
+
+
 def stages_of(run_id: uuid.UUID) -> list[WorkflowStage]:
     """The run's stage records ordered by group then stage number (DM-32)."""
     return rows.select(

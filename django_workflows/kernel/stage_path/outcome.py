@@ -16,7 +16,7 @@ from django.db import transaction
 from ... import telemetry
 from ...definition.stage import Stage
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
-from .. import timeouts
+from .. import rows, timeouts
 from ..children import start_child
 from ..commands import ExecuteJobResult
 from ..connections import retry_on_disconnect
@@ -127,13 +127,18 @@ def _stage_transaction(
             start_child(kernel, run, d.record, d.node.stage, outcome)
         if job.item_index is not None:  # a map item (issue 18 item 3)
             return _item_outcome(kernel, d, run, outcome, services, now, worker_id, stop, queues)
-        result = _settle_job(kernel, job, outcome, d.node.stage)
+        # The stage record's outcome, then the fence. A completed stage's record update and
+        # output blob are not sent on their own: they ride in the fence's UPDATE (on
+        # PostgreSQL one statement for the three; issue 19), and a fence that holds no more
+        # rolls all of it back with the transaction.
+        unsent: list[rows.Write] = []
+        stage_result, events = write_outcome(
+            kernel, run, d.node, d.record, outcome, services, d.started_at, now, unsent
+        )
+        result = _settle_job(kernel, job, outcome, d.node.stage, unsent)
         if result is None:
             raise _Discard()
         wake_freed(kernel.transport, d.workflow, job.queue)  # free unless limited (issue 18)
-        stage_result, events = write_outcome(
-            kernel, run, d.node, d.record, outcome, services, d.started_at, now
-        )
         for warning in outcome.warnings:
             write_log(now, "WARN", warning, run_id=run.pk, stage_pk=d.record.pk)
         if stage_result.outcome == "failed":
@@ -370,10 +375,15 @@ def _item_committed_before(job: dict[str, Any], outcome: ExecutionOutcome) -> Ou
 
 
 def _settle_job(
-    kernel: Kernel, job: WorkflowJob, outcome: ExecutionOutcome, stage: Stage
+    kernel: Kernel,
+    job: WorkflowJob,
+    outcome: ExecutionOutcome,
+    stage: Stage,
+    unsent: list[rows.Write],
 ) -> str | None:
     """The fence: move the job out of RUNNING only if it is still at this delivery's attempt.
-    Returns its new status, or ``None`` if the delivery no longer owns the job.
+    Returns its new status, or ``None`` if the delivery no longer owns the job. ``unsent``:
+    the outcome's writes not sent yet (:func:`.records.write_outcome`), sent with the fence.
 
     The one retry decision of the stage path: a failure is retried unless the outcome says it
     is final (``retryable=False``: validation errors, :class:`StageFailed`) or the job's
@@ -381,6 +391,10 @@ def _settle_job(
     the back-off follows the stage's ``retry=`` policy, else the settings.
     """
     queue = kernel.queue
+    if outcome.error is None and outcome.suspend is None:
+        done = queue.complete(job.pk, attempt=job.attempt, carrying=unsent)
+        return Status.COMPLETED if done else None
+    rows.send(unsent)  # (none: only a completed outcome leaves writes unsent)
     if outcome.error is not None:
         retry = outcome.retryable is not False and job.attempt < job.max_attempts
         return queue.fail(
@@ -391,10 +405,8 @@ def _settle_job(
             max_attempts=job.max_attempts,
             policy=stage.retry,
         )
-    if outcome.suspend is not None:
-        ok = queue.suspend(job.pk, outcome.suspend.next_poll_at, attempt=job.attempt)
-        return Status.SUSPENDED if ok else None
-    return Status.COMPLETED if queue.complete(job.pk, attempt=job.attempt) else None
+    ok = queue.suspend(job.pk, outcome.suspend.next_poll_at, attempt=job.attempt)
+    return Status.SUSPENDED if ok else None
 
 
 def _transition(

@@ -18,8 +18,15 @@ from ...models import Status, WorkflowRun, WorkflowStage
 from .. import events as ev
 from ..commands import ExecuteJobResult
 from ..executor import ExecutionInput, ExecutionOutcome
+from ..rows import Write
 from ..services import KernelStageServices
-from ..store import group_output, started_fields, update_stage, write_annotations
+from ..store import (
+    group_output,
+    started_fields,
+    update_stage,
+    update_stage_write,
+    write_annotations,
+)
 from .conditions import group_input
 
 if TYPE_CHECKING:
@@ -38,11 +45,17 @@ def write_outcome(
     services: KernelStageServices,
     start: datetime,
     now: datetime,
+    unsent: list[Write] | None = None,
 ) -> tuple[ExecuteJobResult, list[dict[str, Any]]]:
     """Phase 3's writes (K-JE-12..17), for a caller that holds the run's row lock and found it
     RUNNING: the stage record's outcome (COMPLETED with the output blob / SUSPENDED / FAILED),
     the buffered annotations, and the events in order (progress, the outcome event,
     ``annotation:created``). Returns the result and the events to append.
+
+    ``unsent``: a COMPLETED outcome's output blob (when the blob store can give its upsert as
+    a statement: ``put_many_write``) and stage record update are appended to it as
+    :class:`..rows.Write` instead of being sent; the caller sends them in the statement of
+    its fence (:mod:`.outcome`, issue 19). The record in memory is updated either way.
     """
     events = list(_progress_events(run.pk, outcome, now))
     last = _pending_progress(services)
@@ -51,7 +64,7 @@ def write_outcome(
     elif outcome.suspend is not None:
         result = _suspend(node, record, outcome, now, events, last)
     else:
-        result = _complete(kernel, run, node, record, outcome, start, now, events)
+        result = _complete(kernel, run, node, record, outcome, start, now, events, unsent)
     events += write_annotations(
         run.pk,
         outcome.annotations,
@@ -169,9 +182,15 @@ def _pending_progress(services: KernelStageServices) -> dict[str, Any]:
     return {"progress": value, "progress_message": message[:2000]}
 
 
-def _write(record: WorkflowStage, now: datetime, **fields: Any) -> None:
-    """Update the stage record in the database and in memory (the caller keeps using it)."""
-    update_stage(record.pk, now, **fields)
+def _write(
+    record: WorkflowStage, now: datetime, unsent: list[Write] | None = None, **fields: Any
+) -> None:
+    """Update the stage record in the database (or append the update to ``unsent``, for the
+    caller to send) and in memory (the caller keeps using it)."""
+    if unsent is not None:
+        unsent.append(update_stage_write(record.pk, now, **fields))
+    else:
+        update_stage(record.pk, now, **fields)
     for name, value in fields.items():
         setattr(record, name, value)
 
@@ -278,6 +297,7 @@ def _complete(
     start: datetime,
     now: datetime,
     events: list[dict[str, Any]],
+    unsent: list[Write] | None = None,
 ) -> ExecuteJobResult:
     result = outcome.result
     assert result is not None
@@ -292,11 +312,17 @@ def _complete(
         }
         blobs += [(keys[name], value) for name, value in result.artifacts.items()]
         output_data["_artifactKeys"] = keys
-    kernel.blobs.put_many(blobs, run_id=str(run.pk), stage_id=sid)
+    statement = getattr(kernel.blobs, "put_many_write", None) if unsent is not None else None
+    write = statement(blobs, run_id=str(run.pk), stage_id=sid) if statement else None
+    if write is not None:
+        unsent.append(write)  # type: ignore[union-attr]
+    else:
+        kernel.blobs.put_many(blobs, run_id=str(run.pk), stage_id=sid)
     duration = _ms(start, now)
     _write(
         record,
         now,
+        unsent,
         status=Status.COMPLETED,
         completed_at=now,
         duration_ms=duration,
