@@ -603,7 +603,7 @@ def _siblings_done(
         job = kernel.queue.dequeue("worker")
         assert job is not None and str(job.workflow_run_id) == run_id
         with monkeypatch.context() as patched:
-            patched.setattr(stage_outcome, "_transition", lambda *args, **kwargs: None)
+            patched.setattr(stage_outcome, "_transition", lambda *args, **kwargs: (None, None))
             result = kernel.dispatch(
                 ExecuteJob(workflow_run_id=run_id, workflow_id=workflow_id, stage_id=job.stage_id)
             )

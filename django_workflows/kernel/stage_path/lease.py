@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
@@ -117,8 +118,25 @@ def _lease_transaction(
     return delivery
 
 
+@dataclass(frozen=True)
+class HeldRun:
+    """A run the caller's transaction holds locked and leaves RUNNING, with its stage records
+    as this transaction sees them and the outputs it knows of them (an outcome whose
+    transition waits for a sibling stage: :mod:`.outcome`). :func:`lease_within` leases a job
+    of this run without reading the run, its records or those outputs again (issue 19: three
+    statements fewer when the worker's next delivery is a sibling of the stage it finished).
+    """
+
+    run: WorkflowRun
+    records: list[WorkflowStage]
+    outputs: dict[str, Any]
+
+
 def lease_within(
-    kernel: Kernel, worker_id: str, queues: frozenset[str] | None = None
+    kernel: Kernel,
+    worker_id: str,
+    queues: frozenset[str] | None = None,
+    held: HeldRun | None = None,
 ) -> Delivery | None:
     """The body of transaction 1 in the caller's transaction: lease the next ready job of
     ``queues`` (or claim a PENDING run and lease its first job) to ``worker_id`` and start
@@ -130,12 +148,17 @@ def lease_within(
     (:mod:`.outcome`, issue 19): the worker's next delivery is leased in the commit of its
     last outcome, one transaction fewer. Runs are locked without waiting
     (:func:`..locking.try_lock_run`), so holding the outcome's run lock cannot deadlock.
+    ``held``: the outcome's run (:class:`HeldRun`); a job of it is leased with what the
+    outcome holds of it.
     """
     events: list[dict[str, Any]] = []
     locked: dict[int, WorkflowRun | None] = {}
     passed_over: list[int] = []
 
     def run_is_free(job: WorkflowJob, locked: dict[int, Any] = locked) -> bool:
+        if held is not None and job.workflow_run_id == held.run.pk:
+            locked[job.pk] = held.run  # this transaction holds its lock already
+            return True
         run = try_lock_run(job.workflow_run_id)
         if run is LOCKED:  # never wait for a run while holding a job (deadlocks)
             passed_over.append(job.pk)
@@ -153,9 +176,12 @@ def lease_within(
     )
     run: WorkflowRun | None
     records: list[WorkflowStage] | None = None
+    outputs: dict[str, Any] | None = None
     begun: WorkflowStage | None = None
     if job is not None:
         run = locked[job.pk]
+        if held is not None and run is held.run:
+            records, outputs = held.records, held.outputs
     else:
         run = claim_next_allowed_run(
             kernel.registry, versions, kernel.transport, claim=claim_next_pending_run
@@ -169,7 +195,7 @@ def lease_within(
             append_events(events, new_causation_id(), kernel.clock.now())
             return _AGAIN
         job, records, begun = started.jobs[0], started.records, started.started
-    delivery = begin(kernel, job, run, events, records=records, started=begun)
+    delivery = begin(kernel, job, run, events, records=records, outputs=outputs, started=begun)
     append_events(events, new_causation_id(), kernel.clock.now())
     return _AGAIN if delivery is None else delivery
 

@@ -31,7 +31,7 @@ from ..savepoints import rollback_point
 from ..services import KernelStageServices
 from ..store import stages_of, write_annotations, write_log
 from . import Delivery, Outcome, _Discard
-from .lease import _AGAIN, _BUSY, _adopt_orphan, begin, lease_within
+from .lease import _AGAIN, _BUSY, HeldRun, _adopt_orphan, begin, lease_within
 from .records import write_outcome
 from .transition import advance
 
@@ -150,12 +150,15 @@ def _stage_transaction(
                 stage_pk=d.record.pk,
             )
         following: Delivery | None = None
+        held: HeldRun | None = None
         stopping = stop is not None and stop.is_set()
         reserve_for = None if stopping else worker_id
         if stage_result.outcome == "suspended" or result == Status.PENDING:
             transaction.on_commit(kernel.transport.wake_ticker)
         else:
-            following = _transition(kernel, d, run, stage_result, events, now, reserve_for, queues)
+            following, held = _transition(
+                kernel, d, run, stage_result, events, now, reserve_for, queues
+            )
         append_events(events, d.causation_id, now)
         telemetry.runs_ended_at_commit(d.workflow.id, events, run.started_at, now)
         # Not continuing its own run, the worker leases its next delivery in this same
@@ -163,7 +166,7 @@ def _stage_transaction(
         looked = following is None and reserve_for is not None
         found: Any = None
         if looked:
-            found = _lease_next(kernel, reserve_for, queues)  # type: ignore[arg-type]
+            found = _lease_next(kernel, reserve_for, queues, held)  # type: ignore[arg-type]
             following = None if found is _AGAIN or found is _FAILED or found is _BUSY else found
         fault_point("outcome.before_commit")
     return Outcome(
@@ -180,7 +183,9 @@ def _stage_transaction(
 _FAILED: Any = object()
 
 
-def _lease_next(kernel: Kernel, worker_id: str, queues: frozenset[str] | None) -> Any:
+def _lease_next(
+    kernel: Kernel, worker_id: str, queues: frozenset[str] | None, held: HeldRun | None = None
+) -> Any:
     """The worker's next delivery, leased in the outcome's transaction
     (:func:`.lease.lease_within`), inside a savepoint: whatever goes wrong while leasing
     another job (a missing output blob of its run, a blob store's error, a failed statement)
@@ -191,7 +196,7 @@ def _lease_next(kernel: Kernel, worker_id: str, queues: frozenset[str] | None) -
     """
     try:
         with rollback_point():
-            return lease_within(kernel, worker_id, queues)
+            return lease_within(kernel, worker_id, queues, held)
     except Exception:
         if transaction.get_connection().needs_rollback:
             raise  # the savepoint could not be rolled back (a dead connection): not ours to hide
@@ -296,7 +301,7 @@ def _item_outcome(
                 kernel, settled.promoted, run, events, records=d.records, outputs=d.outputs
             )
         if settled.finished:
-            following = _transition(
+            following, _ = _transition(
                 kernel,
                 d,
                 run,
@@ -418,9 +423,12 @@ def _transition(
     now: datetime,
     worker_id: str | None,
     queues: frozenset[str] | None = None,
-) -> Delivery | None:
+) -> tuple[Delivery | None, HeldRun | None]:
     """Advance the run in the outcome transaction; returns the next stage's delivery when the
-    transition leased one to ``worker_id`` (only a stage of one of its ``queues``).
+    transition leased one to ``worker_id`` (only a stage of one of its ``queues``), and the
+    run as this transaction holds it (:class:`.lease.HeldRun`) when the transition left it
+    as it was (a sibling stage still open): the worker's next lease may take a sibling's job
+    with it.
     """
     d.record.status = Status.COMPLETED if stage_result.outcome == "completed" else Status.FAILED
     d.record.error_message = stage_result.error
@@ -436,11 +444,13 @@ def _transition(
     )
     events += step.events
     if step.reserved_job is None:
-        return None
-    return begin(
+        # noop: the run stays RUNNING with these very records (nothing opened or ended)
+        return None, HeldRun(run, records, outputs) if step.result.action == "noop" else None
+    following = begin(
         kernel, step.reserved_job, run, events, records=records + step.new_records,
         outputs=outputs, started=step.started_record,
     )  # fmt: skip
+    return following, None
 
 
 def _log_discarded(kernel: Kernel, d: Delivery, outcome: ExecutionOutcome) -> None:
