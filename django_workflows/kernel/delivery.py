@@ -21,7 +21,8 @@ A worker runs this story in a loop (:func:`work`, here); each step is a module o
    the outcome (:func:`.stage_path.records.write_outcome`: stage record, output blob, annotations,
    logs, events) and settle the job *fenced by the token* (``UPDATE ... WHERE id = ? AND status =
    RUNNING AND attempt = ?``; a completed stage's record and output blob ride in that statement,
-   :func:`.rows.update`'s ``carrying``), transition the run
+   :func:`.rows.update`'s ``carrying``; a blob store outside the database is written only once
+   the fence held), transition the run
    (:func:`.stage_path.transition.advance`: the next group's stage records and jobs; the first new
    job is leased to this worker at once, its stage marked RUNNING), and append every event with
    gap-free sequences. Either all of it commits or none of it: a stage can no longer be COMPLETED

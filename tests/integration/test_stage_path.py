@@ -121,6 +121,72 @@ def test_late_success_of_a_delivery_whose_lease_was_taken_over_is_discarded(
     _assert_gap_free(run_id)
 
 
+class _MemoryBlobs:
+    """A blob store outside the database (SPEC K-1b: no transaction undoes its writes)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, Any] = {}
+        self.puts: list[str] = []
+
+    def put(self, key: str, data: Any, **kwargs: Any) -> None:
+        self.put_many([(key, data)], **kwargs)
+
+    def put_many(self, items: Any, **kwargs: Any) -> None:
+        for key, value in items:
+            self.data[key] = value
+            self.puts.append(key)
+
+    def get(self, key: str) -> Any:
+        return self.data[key]
+
+    def get_many(self, keys: Any) -> dict[str, Any]:
+        return {k: self.data[k] for k in keys if k in self.data}
+
+    def has(self, key: str) -> bool:
+        return key in self.data
+
+    def delete(self, key: str) -> None:
+        self.data.pop(key, None)
+
+    def list(self, prefix: str) -> list[str]:
+        return sorted(k for k in self.data if k.startswith(prefix))
+
+    def delete_stage_blobs(self, run_id: str, stage_ids: Any) -> int:
+        return 0
+
+
+def test_a_taken_over_delivery_never_writes_a_blob_store_outside_the_database(
+    kernel_for: Any, clock: FakeClock
+) -> None:
+    """The outcome writes its record before its fence (issue 19), but a blob store outside
+    the database, which no rollback undoes, is written only once the fence held: the late
+    delivery's output never overwrites its successor's under the same key."""
+    blobs = _MemoryBlobs()
+    wf = (
+        define_workflow(id="fenced-store", input=Num)
+        .pipe(_counting_stage("s", [100, 200]))
+        .pipe(add(1, stage_id="next"))
+        .build()
+    )
+    kernel = kernel_for(wf, blob_store=blobs)
+    run_id = _start(kernel, "fenced-store")
+    first = delivery.lease(kernel, "paused-worker")
+    assert first is not None
+    outcome_1, services_1 = delivery.execute(kernel, first)
+    _take_over(kernel, clock)
+    second = delivery.lease(kernel, "live-worker")
+    assert second is not None and second.node.stage.id == "s"
+    delivery.deliver(kernel, second, None)  # s's output, 200; the run goes on to "next"
+    key = next(k for k in blobs.data if k.endswith("/s/output.json"))
+    puts = list(blobs.puts)
+
+    late = delivery.commit_outcome(kernel, first, outcome_1, services_1, "paused-worker")
+
+    assert late.outcome == "discarded"
+    assert blobs.data[key] == {"value": 200} and blobs.puts == puts
+    assert WorkflowRun.objects.get(pk=run_id).status == Status.RUNNING
+
+
 def test_late_failure_of_a_taken_over_delivery_does_not_fail_the_stage_or_run(
     kernel_for: Any, clock: FakeClock
 ) -> None:

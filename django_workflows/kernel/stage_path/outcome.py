@@ -32,7 +32,7 @@ from ..services import KernelStageServices
 from ..store import stages_of, write_annotations, write_log
 from . import Delivery, Outcome, _Discard
 from .lease import _AGAIN, _BUSY, HeldRun, _adopt_orphan, begin, lease_within
-from .records import write_outcome
+from .records import Unsent, write_outcome
 from .transition import advance
 
 if TYPE_CHECKING:
@@ -130,14 +130,17 @@ def _stage_transaction(
         # The stage record's outcome, then the fence. A completed stage's record update and
         # output blob are not sent on their own: they ride in the fence's UPDATE (on
         # PostgreSQL one statement for the three; issue 19), and a fence that holds no more
-        # rolls all of it back with the transaction.
-        unsent: list[rows.Write] = []
+        # rolls all of it back with the transaction. A blob store outside the database is
+        # written only once the fence held (no rollback undoes it).
+        unsent = Unsent()
         stage_result, events = write_outcome(
             kernel, run, d.node, d.record, outcome, services, d.started_at, now, unsent
         )
-        result = _settle_job(kernel, job, outcome, d.node.stage, unsent)
+        result = _settle_job(kernel, job, outcome, d.node.stage, unsent.writes)
         if result is None:
             raise _Discard()
+        for put in unsent.after_fence:
+            put()
         wake_freed(kernel.transport, d.workflow, job.queue)  # free unless limited (issue 18)
         for warning in outcome.warnings:
             write_log(now, "WARN", warning, run_id=run.pk, stage_pk=d.record.pk)

@@ -8,7 +8,10 @@ fence; nothing here touches the job queue or the run's status.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ...blobs import artifact_key, output_key
@@ -36,6 +39,22 @@ if TYPE_CHECKING:
 NO_ITEM: Any = object()
 
 
+@dataclass
+class Unsent:
+    """What :func:`write_outcome` leaves its caller to do with the fence (issue 19).
+
+    ``writes``: statements built but not sent (the stage record's update, the output blob's
+    upsert when the blob store keeps blobs in this database), for the fence's statement to
+    carry (:func:`..rows.update`). ``after_fence``: writes to a blob store outside the
+    database, which no rollback undoes (SPEC K-1b): the caller makes them only once the fence
+    held, so a delivery whose lease was taken over never overwrites the output its successor
+    stored under the same key.
+    """
+
+    writes: list[Write] = field(default_factory=list)
+    after_fence: list[Callable[[], None]] = field(default_factory=list)
+
+
 def write_outcome(
     kernel: Kernel,
     run: WorkflowRun,
@@ -45,17 +64,17 @@ def write_outcome(
     services: KernelStageServices,
     start: datetime,
     now: datetime,
-    unsent: list[Write] | None = None,
+    unsent: Unsent | None = None,
 ) -> tuple[ExecuteJobResult, list[dict[str, Any]]]:
     """Phase 3's writes (K-JE-12..17), for a caller that holds the run's row lock and found it
     RUNNING: the stage record's outcome (COMPLETED with the output blob / SUSPENDED / FAILED),
     the buffered annotations, and the events in order (progress, the outcome event,
     ``annotation:created``). Returns the result and the events to append.
 
-    ``unsent``: a COMPLETED outcome's output blob (when the blob store can give its upsert as
-    a statement: ``put_many_write``) and stage record update are appended to it as
-    :class:`..rows.Write` instead of being sent; the caller sends them in the statement of
-    its fence (:mod:`.outcome`, issue 19). The record in memory is updated either way.
+    ``unsent`` (:class:`Unsent`): a COMPLETED outcome's stage record update and output blob
+    are left to the caller instead of being written here - as statements its fence carries
+    (:mod:`.outcome`, issue 19), or, for a blob store outside the database, as a put to make
+    once the fence held. The record in memory is updated either way.
     """
     events = list(_progress_events(run.pk, outcome, now))
     last = _pending_progress(services)
@@ -297,7 +316,7 @@ def _complete(
     start: datetime,
     now: datetime,
     events: list[dict[str, Any]],
-    unsent: list[Write] | None = None,
+    unsent: Unsent | None = None,
 ) -> ExecuteJobResult:
     result = outcome.result
     assert result is not None
@@ -312,17 +331,21 @@ def _complete(
         }
         blobs += [(keys[name], value) for name, value in result.artifacts.items()]
         output_data["_artifactKeys"] = keys
-    statement = getattr(kernel.blobs, "put_many_write", None) if unsent is not None else None
-    write = statement(blobs, run_id=str(run.pk), stage_id=sid) if statement else None
-    if write is not None:
-        unsent.append(write)  # type: ignore[union-attr]
-    else:
+    if unsent is None:
         kernel.blobs.put_many(blobs, run_id=str(run.pk), stage_id=sid)
+    else:
+        statement = getattr(kernel.blobs, "put_many_write", None)
+        write = statement(blobs, run_id=str(run.pk), stage_id=sid) if statement else None
+        if write is not None:
+            unsent.writes.append(write)
+        else:  # outside the database: only once the fence held (SPEC K-1b)
+            put = partial(kernel.blobs.put_many, blobs, run_id=str(run.pk), stage_id=sid)
+            unsent.after_fence.append(put)
     duration = _ms(start, now)
     _write(
         record,
         now,
-        unsent,
+        unsent.writes if unsent is not None else None,
         status=Status.COMPLETED,
         completed_at=now,
         duration_ms=duration,
