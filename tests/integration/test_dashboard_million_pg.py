@@ -4,7 +4,7 @@ ms - or, on a slower machine, under 5 times the database's own count of the 30-d
 (:data:`REFERENCE_RATIO`) - (the page as operators reload it: closed buckets from the cache, the
 bucket in progress and the queues read live), in a bounded number of statements, without a
 sequential scan of the runs or stages. The cold page (empty cache: every closed bucket counted)
-is measured and printed too, and asserted under 200 ms as well in every window (the 30-day one
+is measured and printed too, and held to the same budget in every window (the 30-day one
 counts ~320,000 index entries for its closed buckets: the slowest).
 
 Rows (set-based SQL, :data:`FINISHED_SQL` / :data:`LIVE_SQL`): 1M terminal runs spread evenly
