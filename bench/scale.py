@@ -796,7 +796,7 @@ def _fmt(value: Any) -> str:
 
 
 def _plan_brief(statement: dict[str, Any]) -> str:
-    """``"Sort; Seq Scan on workflow_stages"`` / ``"Limit; wf_run_claim_idx"``."""
+    """``"Sort; Seq Scan on workflow_stages"`` / ``"Limit; wf_run_claim_id_idx"``."""
     scans = statement.get("seq_scans") or []
     used = ", ".join(statement.get("indexes") or []) or "-"
     return f"{statement.get('top')}; " + (f"Seq Scan on {', '.join(scans)}" if scans else used)

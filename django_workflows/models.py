@@ -117,7 +117,12 @@ class WorkflowRun(models.Model):
         indexes = [
             models.Index(fields=["status"], name="wf_run_status_idx"),
             models.Index(fields=["workflow_id"], name="wf_run_workflow_idx"),
-            models.Index(fields=["status", "-priority", "created_at"], name="wf_run_claim_idx"),
+            # The claim's order, id included (issue 19): with the tie-breaker out of the
+            # index, a prepared claim's generic plan, planned while the table was small,
+            # sorted every PENDING run for each claim (4-7 ms at 3,000 pending).
+            models.Index(
+                fields=["status", "-priority", "created_at", "id"], name="wf_run_claim_id_idx"
+            ),
             # The HTTP API's run list: keyset pagination newest first, (created_at, id)
             # descending, alone or after a status filter (no sort, no COUNT).
             models.Index(fields=["created_at", "id"], name="wf_run_created_id_idx"),
