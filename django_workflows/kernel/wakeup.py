@@ -101,6 +101,48 @@ def notify(cluster: str) -> None:
         cursor.execute("SELECT pg_notify(%s, %s)", [CHANNEL, cluster])
 
 
+class _Notified:
+    """An ``on_commit`` callback that does nothing: its presence among the transaction's
+    callbacks says that ``cluster`` was notified in this transaction (see
+    :func:`notify_once_in_transaction`)."""
+
+    __slots__ = ("cluster",)
+
+    def __init__(self, cluster: str) -> None:
+        self.cluster = cluster
+
+    def __call__(self) -> None:
+        return None
+
+
+def notify_once_in_transaction(connection: Any, cluster: str) -> None:
+    """:func:`notify` ``cluster`` from inside the current transaction of ``connection``, unless
+    this transaction already did (issue 19).
+
+    PostgreSQL folds a transaction's duplicate notifications into one at commit, but each
+    ``pg_notify`` is still a round trip: ``start_run`` called for 300 runs in one
+    ``transaction.atomic()`` sent 300 of them. The first notification registers a
+    :class:`_Notified` marker with ``transaction.on_commit``; Django keeps it exactly as long as
+    PostgreSQL keeps the notification - dropped when the transaction or the savepoint it was
+    sent in rolls back, run (as a no-op) and cleared at the commit - so a later wake-up in the
+    same transaction finds it and sends nothing, and one after a rollback to a savepoint sends
+    again. A connection without Django's ``run_on_commit`` list notifies every time.
+
+    Raises:
+        django.db.DatabaseError: the ``pg_notify`` failed (the transaction is then aborted).
+    """
+    from django.db import transaction
+
+    pending = getattr(connection, "run_on_commit", None)
+    if pending is not None and any(
+        isinstance(entry[1], _Notified) and entry[1].cluster == cluster for entry in pending
+    ):
+        return
+    notify(cluster)
+    if pending is not None:
+        transaction.on_commit(_Notified(cluster), using=connection.alias)
+
+
 def wake_workers_at_commit(transport: Any, jobs: int, queue: str) -> None:
     """Wake ``jobs`` workers of ``queue`` once the current transaction commits: inside it when
     the transport can (``wake_in_transaction``: a ``NOTIFY`` riding the commit), else with

@@ -522,8 +522,9 @@ class DjangoQTransport:
     def wake_in_transaction(self, jobs: int, queue: str | None = None) -> bool:
         """Wake ``queue``'s workers (``None``: a claimer of the default cluster) from inside
         the current transaction: with wake-ups on ``NOTIFY``, the notification rides its
-        commit (one statement, no commit of its own) and ``True`` is returned; otherwise
-        ``False`` and nothing is done (the caller wakes after commit).
+        commit (one statement, no commit of its own; none more for the same cluster in the
+        same transaction, :func:`..kernel.wakeup.notify_once_in_transaction`) and ``True`` is
+        returned; otherwise ``False`` and nothing is done (the caller wakes after commit).
         """
         from django.db import connection
 
@@ -531,7 +532,8 @@ class DjangoQTransport:
             return False
         cluster = routing.default_cluster() if queue is None else routing.cluster_of(queue)
         if cluster is not None:
-            wakeup.notify(cluster)  # an error aborts the transaction: let it raise
+            # once per transaction and cluster; an error aborts the transaction: let it raise
+            wakeup.notify_once_in_transaction(connection, cluster)
         return True
 
     def _notify(self, cluster: str) -> None:

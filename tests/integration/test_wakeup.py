@@ -66,6 +66,55 @@ def test_a_wake_up_rides_the_commit_and_dies_with_a_rollback() -> None:
         assert heard.payloads(timeout=0.3) == []
 
 
+def _notifies(captured: Any) -> int:
+    return sum("pg_notify" in q["sql"] for q in captured.captured_queries)
+
+
+@requires_postgres
+def test_one_transaction_notifies_a_cluster_once_however_many_wake_ups() -> None:
+    """300 runs started in one ``atomic()`` sent 300 ``pg_notify`` round trips, which
+    PostgreSQL folded into one notification at the commit anyway."""
+    from django.test.utils import CaptureQueriesContext
+
+    transport = dq.DjangoQTransport()
+    with _Heard() as heard:
+        with CaptureQueriesContext(connection) as captured, transaction.atomic():
+            for _ in range(5):
+                assert transport.wake_in_transaction(1, "default") is True
+            transport.wake_in_transaction(1, None)  # a claimer: the same (default) cluster
+        assert _notifies(captured) == 1
+        assert heard.payloads() == ["workflows"]
+        # the next transaction notifies again
+        with CaptureQueriesContext(connection) as captured, transaction.atomic():
+            transport.wake_in_transaction(1, "default")
+        assert _notifies(captured) == 1
+        assert heard.payloads() == ["workflows"]
+
+
+@requires_postgres
+def test_a_notification_rolled_back_with_its_savepoint_is_sent_again() -> None:
+    transport = dq.DjangoQTransport()
+    with _Heard() as heard:
+        with transaction.atomic():
+            with pytest.raises(RuntimeError), transaction.atomic():
+                transport.wake_in_transaction(1, "default")
+                raise RuntimeError("the savepoint and its NOTIFY are rolled back")
+            from django.test.utils import CaptureQueriesContext
+
+            with CaptureQueriesContext(connection) as captured:
+                transport.wake_in_transaction(1, "default")
+                transport.wake_in_transaction(1, "default")
+            assert _notifies(captured) == 1
+        assert heard.payloads() == ["workflows"]
+        # a whole transaction rolled back leaves no marker behind either
+        with pytest.raises(RuntimeError), transaction.atomic():
+            transport.wake_in_transaction(1, "default")
+            raise RuntimeError("rolled back")
+        with transaction.atomic():
+            transport.wake_in_transaction(1, "default")
+        assert heard.payloads() == ["workflows"]
+
+
 @requires_postgres
 def test_with_notify_no_broker_row_is_written(monkeypatch: Any) -> None:
     sent: list[str] = []
