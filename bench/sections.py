@@ -413,7 +413,6 @@ def delivery_stats(
         "events": len(data["outbox"]),
         "undelivered_within_wait": undelivered,
         "wait_s": wait_s,
-        "committed_at_used": committed_at is not None,
     }
 
 

@@ -115,9 +115,9 @@ class _Notified:
         return None
 
 
-def notify_once_in_transaction(connection: Any, cluster: str) -> None:
-    """:func:`notify` ``cluster`` from inside the current transaction of ``connection``, unless
-    this transaction already did (issue 19).
+def notify_once_in_transaction(cluster: str) -> None:
+    """:func:`notify` ``cluster`` from inside the current transaction of the default
+    connection, unless this transaction already did (issue 19).
 
     PostgreSQL folds a transaction's duplicate notifications into one at commit, but each
     ``pg_notify`` is still a round trip: ``start_run`` called for 300 runs in one
@@ -126,21 +126,18 @@ def notify_once_in_transaction(connection: Any, cluster: str) -> None:
     PostgreSQL keeps the notification - dropped when the transaction or the savepoint it was
     sent in rolls back, run (as a no-op) and cleared at the commit - so a later wake-up in the
     same transaction finds it and sends nothing, and one after a rollback to a savepoint sends
-    again. A connection without Django's ``run_on_commit`` list notifies every time.
+    again.
 
     Raises:
         django.db.DatabaseError: the ``pg_notify`` failed (the transaction is then aborted).
     """
     from django.db import transaction
 
-    pending = getattr(connection, "run_on_commit", None)
-    if pending is not None and any(
-        isinstance(entry[1], _Notified) and entry[1].cluster == cluster for entry in pending
-    ):
+    pending = connections[DEFAULT_DB_ALIAS].run_on_commit  # (savepoint ids, func, robust)
+    if any(isinstance(f, _Notified) and f.cluster == cluster for _, f, _ in pending):
         return
     notify(cluster)
-    if pending is not None:
-        transaction.on_commit(_Notified(cluster), using=connection.alias)
+    transaction.on_commit(_Notified(cluster))
 
 
 def wake_workers_at_commit(transport: Any, jobs: int, queue: str) -> None:

@@ -533,7 +533,7 @@ class DjangoQTransport:
         cluster = routing.default_cluster() if queue is None else routing.cluster_of(queue)
         if cluster is not None:
             # once per transaction and cluster; an error aborts the transaction: let it raise
-            wakeup.notify_once_in_transaction(connection, cluster)
+            wakeup.notify_once_in_transaction(cluster)
         return True
 
     def _notify(self, cluster: str) -> None:
