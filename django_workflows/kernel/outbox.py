@@ -76,6 +76,16 @@ def caused_by(event: dict[str, Any], causation_id: str) -> dict[str, Any]:
     return event
 
 
+def caused_by_unless_marked(
+    events: Iterable[dict[str, Any]], causation_id: str
+) -> list[dict[str, Any]]:
+    """``events`` (a new list of the same dicts), each not yet marked by :func:`caused_by`
+    marked with ``causation_id``: events to be appended later, by another causation's
+    :func:`append_events` call in the same transaction, with the causation they have now.
+    """
+    return [ev if _CAUSATION_KEY in ev else caused_by(ev, causation_id) for ev in events]
+
+
 def append_events(events: Iterable[dict[str, Any]], causation_id: str, now: datetime) -> int:
     """Append ``events`` (in order) to the outbox; returns the count.
 

@@ -372,15 +372,18 @@ MAX_COMMITS_PER_CONTINUED_STAGE = 1
 #: of the four outcomes sends its stage record and output blob with its job's settling UPDATE
 #: (61 before: two statements fewer per stage). c, leased with b's outcome, is a sibling of
 #: b: its lease takes the run, its records and a's output from the outcome (``HeldRun``)
-#: instead of reading them again (three statements; 53 and 68 before).
-STATEMENTS_DIAMOND_RUN = {"postgresql": 50, "sqlite": 65}
+#: instead of reading them again (three statements; 53 and 68 before), and its
+#: ``stage:started`` is appended with b's outcome events, one sequence bump for both (one
+#: statement on PostgreSQL, two on SQLite; 50 and 65 before).
+STATEMENTS_DIAMOND_RUN = {"postgresql": 49, "sqlite": 63}
 COMMITS_DIAMOND_RUN = 6
 #: The same run's worker path (after run.create: the claim, four stages, the empty lease),
 #: statements without transaction control (BEGIN, COMMIT, savepoints), per stage: the issue 19
 #: target is <= 12 on PostgreSQL (53 statements, 13.25 per stage, on both before; 11.0 on
 #: PostgreSQL before the outcome's record and blob rode in the settling UPDATE, 9.0 and 12.5
-#: before the sibling's lease used what the outcome holds of the run).
-WORKER_STATEMENTS_PER_STAGE_DIAMOND = {"postgresql": 8.25, "sqlite": 11.75}
+#: before the sibling's lease used what the outcome holds of the run; 8.25 and 11.75 before
+#: the sibling's ``stage:started`` was appended with its sibling's outcome events).
+WORKER_STATEMENTS_PER_STAGE_DIAMOND = {"postgresql": 8.0, "sqlite": 11.25}
 TARGET_WORKER_STATEMENTS_PER_STAGE_PG = 12
 _CONTROL = ("BEGIN", "COMMIT", "ROLLBACK", "SAVEPOINT", "RELEASE SAVEPOINT")
 
@@ -454,8 +457,8 @@ def _diamond_run(kernel_for: Any) -> tuple[list[dict[str, Any]], list[dict[str, 
 
 
 def test_a_whole_diamond_run_costs_the_pinned_statements_and_commits(kernel_for: Any) -> None:
-    """From run.create to COMPLETED, a -> [b | c] -> d (one worker, in process) costs 50
-    statements on PostgreSQL, 65 on SQLite (BEGIN/COMMIT/savepoints included; 74 before issue
+    """From run.create to COMPLETED, a -> [b | c] -> d (one worker, in process) costs 49
+    statements on PostgreSQL, 63 on SQLite (BEGIN/COMMIT/savepoints included; 74 before issue
     19), and 6 commits (1.5 per stage), run creation and the claim included; the last
     outcome's transaction looked for more work, so no empty lease ends the loop."""
     statements, _, commits = _diamond_run(kernel_for)
@@ -468,7 +471,7 @@ def test_the_diamond_run_s_worker_path_costs_at_most_12_statements_per_stage_on_
 ) -> None:
     """Issue 19's target, statements per stage on the whole worker path <= 12: the claim, the
     four stages (each outcome continuing the run where it can) and the empty lease of the
-    diamond run send 33 statements on PostgreSQL (8.25 per stage) and 47 on SQLite (11.75),
+    diamond run send 32 statements on PostgreSQL (8.0 per stage) and 45 on SQLite (11.25),
     transaction control not counted (as ``bench/inprocess.py`` counts)."""
     _, worker, _ = _diamond_run(kernel_for)
     statements = [q for q in worker if not q["sql"].upper().startswith(_CONTROL)]
@@ -583,6 +586,14 @@ def test_a_lease_that_fails_inside_an_outcome_never_takes_the_outcome_with_it(
     b = WorkflowJob.objects.get(workflow_run_id=pair_id, stage_id="b")
     assert (b.status, b.attempt, b.worker_id) == (Status.PENDING, 0, None)
     assert "Leasing the next delivery with an outcome failed" in caplog.text
+    # the rolled-back lease left no event behind; the outcome's events are all there
+    assert not [e for e in _events(pair_id, "stage:started") if e.payload["stage_id"] == "b"]
+    assert [e.event_type for e in _events(lone_id)][-2:] == [
+        "stage:completed",
+        "workflow:completed",
+    ]
+    _assert_gap_free(lone_id)
+    _assert_gap_free(pair_id)
 
 
 # --- The sibling leased with an outcome (issue 19: HeldRun) -----------------------------------
@@ -612,8 +623,19 @@ def test_a_sibling_leased_with_its_siblings_outcome_runs_on_what_that_transactio
     assert not [s for s in lease_part if s.startswith("SELECT") and '"workflow_runs"' in s]
     assert not [s for s in lease_part if 'FROM "workflow_blobs"' in s]
     assert not [s for s in lease_part if s.startswith("SELECT") and 'FROM "workflow_stages"' in s]
+    # c's stage:started rides in b's outcome's append: one sequence bump for the transaction,
+    # right after b's events, yet with c's own causation (a delivery of its own, K-5)
+    bumps = [s for s in sql if "event_sequence = event_sequence +" in s]
+    assert len(bumps) == 1
+    completed_b = next(
+        e for e in _events(run_id, "stage:completed") if e.payload["stage_id"] == "b"
+    )
+    started_c = next(e for e in _events(run_id, "stage:started") if e.payload["stage_id"] == "c")
+    assert started_c.sequence == completed_b.sequence + 1
+    assert started_c.causation_id != completed_b.causation_id
     d = delivery.deliver(kernel, c, "w").next  # continued by c's outcome
     assert d is not None and d.node.stage.id == "d"
+    assert c.causation_id == started_c.causation_id
     delivery.deliver(kernel, d, "w")
     run = WorkflowRun.objects.get(pk=run_id)
     assert (run.status, run.output) == (Status.COMPLETED, {"value": 112})

@@ -23,7 +23,7 @@ from ..faults import fault_point
 from ..handlers.run_claim_pending import start_claimed_run
 from ..limits import check_job, claim_next_allowed_run, job_gate
 from ..locking import LOCKED, claim_next_pending_run, lock_run, try_lock_run
-from ..outbox import append_events, caused_by, new_causation_id
+from ..outbox import append_events, caused_by, caused_by_unless_marked, new_causation_id
 from ..store import load_outputs, run_error, stages_of, update_run, update_stage, write_log
 from . import Delivery
 from .records import start_stage
@@ -137,6 +137,7 @@ def lease_within(
     worker_id: str,
     queues: frozenset[str] | None = None,
     held: HeldRun | None = None,
+    events_out: list[dict[str, Any]] | None = None,
 ) -> Delivery | None:
     """The body of transaction 1 in the caller's transaction: lease the next ready job of
     ``queues`` (or claim a PENDING run and lease its first job) to ``worker_id`` and start
@@ -149,7 +150,9 @@ def lease_within(
     last outcome, one transaction fewer. Runs are locked without waiting
     (:func:`..locking.try_lock_run`), so holding the outcome's run lock cannot deadlock.
     ``held``: the outcome's run (:class:`HeldRun`); a job of it is leased with what the
-    outcome holds of it.
+    outcome holds of it. ``events_out``: the events are added to this list, marked with their
+    causation, instead of appended here; the caller appends them with its own in one
+    statement per run (an outcome and the sibling stage it leased: one sequence bump, issue 19).
     """
     events: list[dict[str, Any]] = []
     locked: dict[int, WorkflowRun | None] = {}
@@ -192,12 +195,23 @@ def lease_within(
             kernel, run, worker_id, events, reserve_for=worker_id, serves=queues
         )
         if started is None or not started.jobs or started.jobs[0].worker_id != worker_id:
-            append_events(events, new_causation_id(), kernel.clock.now())
+            _append_or_hand_over(kernel, events, events_out)
             return _AGAIN
         job, records, begun = started.jobs[0], started.records, started.started
     delivery = begin(kernel, job, run, events, records=records, outputs=outputs, started=begun)
-    append_events(events, new_causation_id(), kernel.clock.now())
+    _append_or_hand_over(kernel, events, events_out)
     return _AGAIN if delivery is None else delivery
+
+
+def _append_or_hand_over(
+    kernel: Kernel, events: list[dict[str, Any]], events_out: list[dict[str, Any]] | None
+) -> None:
+    """Append a lease's ``events`` with a causation of their own, or add them so marked to
+    ``events_out`` for the caller to append (:func:`lease_within`)."""
+    if events_out is None:
+        append_events(events, new_causation_id(), kernel.clock.now())
+    else:
+        events_out += caused_by_unless_marked(events, new_causation_id())
 
 
 def begin(

@@ -162,15 +162,17 @@ def _stage_transaction(
             following, held = _transition(
                 kernel, d, run, stage_result, events, now, reserve_for, queues
             )
-        append_events(events, d.causation_id, now)
         telemetry.runs_ended_at_commit(d.workflow.id, events, run.started_at, now)
         # Not continuing its own run, the worker leases its next delivery in this same
         # commit (issue 19: one transaction fewer per lease; runs locked without waiting).
+        # The lease's events join the outcome's: a sibling stage of this run costs no
+        # sequence bump of its own.
         looked = following is None and reserve_for is not None
         found: Any = None
         if looked:
-            found = _lease_next(kernel, reserve_for, queues, held)  # type: ignore[arg-type]
+            found = _lease_next(kernel, reserve_for, queues, held, events)  # type: ignore[arg-type]
             following = None if found is _AGAIN or found is _FAILED or found is _BUSY else found
+        append_events(events, d.causation_id, now)
         fault_point("outcome.before_commit")
     return Outcome(
         stage_result.outcome,
@@ -187,7 +189,11 @@ _FAILED: Any = object()
 
 
 def _lease_next(
-    kernel: Kernel, worker_id: str, queues: frozenset[str] | None, held: HeldRun | None = None
+    kernel: Kernel,
+    worker_id: str,
+    queues: frozenset[str] | None,
+    held: HeldRun | None,
+    events: list[dict[str, Any]],
 ) -> Any:
     """The worker's next delivery, leased in the outcome's transaction
     (:func:`.lease.lease_within`), inside a savepoint: whatever goes wrong while leasing
@@ -196,15 +202,21 @@ def _lease_next(
     worker's next :func:`.lease.lease` meets the error in its own transaction, as before.
     The savepoint is never released, only rolled back to (:func:`..savepoints.rollback_point`:
     the commit ends it, one round trip fewer).
+
+    The lease's events (with their own causation) are added to the outcome's ``events`` once
+    the lease held; a rolled-back lease adds none.
     """
+    leased: list[dict[str, Any]] = []
     try:
         with rollback_point():
-            return lease_within(kernel, worker_id, queues, held)
+            found = lease_within(kernel, worker_id, queues, held, events_out=leased)
     except Exception:
         if transaction.get_connection().needs_rollback:
             raise  # the savepoint could not be rolled back (a dead connection): not ours to hide
         logger.exception("Leasing the next delivery with an outcome failed; leasing on its own")
         return _FAILED
+    events += leased
+    return found
 
 
 _GHOST_SUFFIX = "the result was discarded (expected RUNNING)"
