@@ -114,9 +114,10 @@ class WorkflowRun(models.Model):
     class Meta:
         db_table = "workflow_runs"
         ordering = ["-created_at"]
+        # Every index is paid for on each INSERT and each UPDATE that cannot stay HOT (a status
+        # change): none is a leading prefix of another (issue 19 dropped ``(status)`` and
+        # ``(workflow_id)``, served by the composite indexes that start with those columns).
         indexes = [
-            models.Index(fields=["status"], name="wf_run_status_idx"),
-            models.Index(fields=["workflow_id"], name="wf_run_workflow_idx"),
             # The claim's order, id included (issue 19): with the tie-breaker out of the
             # index, a prepared claim's generic plan, planned while the table was small,
             # sorted every PENDING run for each claim (4-7 ms at 3,000 pending).
@@ -198,7 +199,10 @@ class WorkflowStage(models.Model):
     created_at = models.DateTimeField()
     updated_at = models.DateTimeField()
     version = models.PositiveIntegerField(default=1)
-    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="stages")
+    #: No index of its own: ``wf_stage_run_stage_uniq`` (run, stage_id) serves lookups by run.
+    run = models.ForeignKey(
+        WorkflowRun, on_delete=models.CASCADE, related_name="stages", db_index=False
+    )
     stage_id = models.CharField(max_length=200)
     stage_name = models.CharField(max_length=200)
     stage_number = models.PositiveIntegerField()
@@ -237,8 +241,9 @@ class WorkflowStage(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["run", "stage_id"], name="wf_stage_run_stage_uniq"),
         ]
+        # ``(status)`` and ``run``'s own foreign-key index were leading prefixes of the
+        # indexes below and of the unique constraint: dropped (issue 19; see WorkflowRun).
         indexes = [
-            models.Index(fields=["status"], name="wf_stage_status_idx"),
             models.Index(fields=["next_poll_at"], name="wf_stage_next_poll_idx"),
             # stage.pollSuspended: due SUSPENDED stages in next_poll_at order; the LIMIT stops
             # the index walk, however many stages are suspended (0007).
@@ -351,8 +356,8 @@ class WorkflowJob(models.Model):
     class Meta:
         db_table = "workflow_jobs"
         ordering = ["-priority", "created_at", "id"]
+        # ``(status, priority)`` was a leading prefix of the claim's index: dropped (issue 19).
         indexes = [
-            models.Index(fields=["status", "priority"], name="wf_job_status_prio_idx"),
             # Leases of any queue (workflows_worker, tests) walk this one in order ...
             models.Index(
                 fields=["status", "-priority", "run_created_at", "id"], name="wf_job_claim_idx"
@@ -415,7 +420,10 @@ class WorkflowAnnotation(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     created_at = models.DateTimeField()
-    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="annotations")
+    #: No index of its own: the indexes below and the dedupe constraint all lead with ``run``.
+    run = models.ForeignKey(
+        WorkflowRun, on_delete=models.CASCADE, related_name="annotations", db_index=False
+    )
     stage_record = models.ForeignKey(
         WorkflowStage,
         on_delete=models.SET_NULL,
@@ -505,8 +513,9 @@ class OutboxEvent(models.Model):
                 fields=["workflow_run_id", "sequence"], name="wf_outbox_run_seq_uniq"
             ),
         ]
+        # No query reads events by ``published_at`` range (the backlog and the dead letters
+        # have their partial indexes): its index, updated by every flush, was dropped (issue 19).
         indexes = [
-            models.Index(fields=["published_at"], name="wf_outbox_published_idx"),
             # outbox.flush: unpublished, not dead-lettered rows in (run, sequence) order - a
             # partial index that holds only the backlog, so the flush's LIMIT stops early (0007).
             models.Index(

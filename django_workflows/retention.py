@@ -258,7 +258,8 @@ def _undelivered() -> Exists:
 
 
 #: The run statuses that are not terminal. Named (``status IN (...)``), not negated: the live
-#: runs are then read from ``wf_run_status_idx`` instead of a scan of every finished run.
+#: runs are then read from an index that leads with ``status`` (``wf_run_status_created_idx``)
+#: instead of a scan of every finished run.
 LIVE_RUN_STATUSES: tuple[str, ...] = ("PENDING", "RUNNING", "SUSPENDED")
 
 

@@ -11,9 +11,9 @@ leases are stamped with), read once per snapshot.
 Where each number comes from:
 
 * ready / running: ``workflow_jobs`` rows PENDING whose retry back-off has passed
-  (``next_poll_at`` unset or due) / RUNNING, grouped by ``queue`` (``wf_job_status_prio_idx``
-  bounds the scan to live jobs). A ready job's age counts from its ``next_poll_at`` when it
-  waited out a back-off, else from its ``created_at``.
+  (``next_poll_at`` unset or due) / RUNNING, grouped by ``queue`` (``wf_job_queue_claim_idx``,
+  which leads with ``status, queue``, bounds the scan to live jobs). A ready job's age counts
+  from its ``next_poll_at`` when it waited out a back-off, else from its ``created_at``.
 * workers: the presence rows ``worker:<queue>:<digest>`` in ``workflow_maintenance_leases``
   (:func:`django_workflows.kernel.routing.announce`) that have not expired, joined with the
   worker's advertised versions (``workflow_worker_versions``). A worker's *version* is its

@@ -96,7 +96,11 @@ def test_a_generic_claim_plan_reads_one_index_entry_without_sorting(versions: An
     plan = (json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"]
     nodes = _nodes(plan)
     kinds = [n["Node Type"] for n in nodes]
-    assert "Sort" not in kinds and "Incremental Sort" not in kinds, kinds
+    assert "Sort" not in kinds and "Incremental Sort" not in kinds, (
+        kinds,
+        [n.get("Index Name") for n in nodes],
+        sql,
+    )
     scans = [n for n in nodes if n.get("Index Name") == "wf_run_claim_id_idx"]
     assert scans, kinds
     # the first entry in the claim's order is the run claimed: no walk over the backlog
