@@ -135,9 +135,12 @@ class WorkflowRun(models.Model):
             # A parent's children (cancel cascade, run page, ``?parent=``), newest first.
             models.Index(fields=["parent_run_id", "created_at"], name="wf_run_parent_idx"),
             # Retention (issue 20): the aged-out runs of one status, oldest first, a batch at
-            # a time (keyset on completed_at, id).
+            # a time (keyset on completed_at, id; ``completed_at < cutoff`` implies the
+            # condition). Partial (0019): a run is written to it once, when it finishes.
             models.Index(
-                fields=["status", "completed_at", "id"], name="wf_run_status_completed_idx"
+                fields=["status", "completed_at", "id"],
+                condition=models.Q(completed_at__isnull=False),
+                name="wf_run_finished_status_idx",
             ),
             # The per-key limit's count of RUNNING runs of one key (issue 18 item 6).
             models.Index(
