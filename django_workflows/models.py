@@ -133,7 +133,12 @@ class WorkflowRun(models.Model):
                 fields=["workflow_id", "created_at", "id"], name="wf_run_workflow_created_idx"
             ),
             # A parent's children (cancel cascade, run page, ``?parent=``), newest first.
-            models.Index(fields=["parent_run_id", "created_at"], name="wf_run_parent_idx"),
+            # Partial (0020): only child runs are written to it.
+            models.Index(
+                fields=["parent_run_id", "created_at"],
+                condition=models.Q(parent_run_id__isnull=False),
+                name="wf_run_child_idx",
+            ),
             # Retention (issue 20): the aged-out runs of one status, oldest first, a batch at
             # a time (keyset on completed_at, id; ``completed_at < cutoff`` implies the
             # condition). Partial (0019): a run is written to it once, when it finishes.
@@ -143,8 +148,11 @@ class WorkflowRun(models.Model):
                 name="wf_run_finished_status_idx",
             ),
             # The per-key limit's count of RUNNING runs of one key (issue 18 item 6).
+            # Partial (0020): only keyed runs are written to it.
             models.Index(
-                fields=["workflow_id", "concurrency_key", "status"], name="wf_run_concurrency_idx"
+                fields=["workflow_id", "concurrency_key", "status"],
+                condition=models.Q(concurrency_key__isnull=False),
+                name="wf_run_keyed_idx",
             ),
             # Runs finished in a time window, per workflow and status (issue 20: the health
             # metrics' window and the admin dashboard's throughput panel, both from the index
