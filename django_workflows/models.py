@@ -255,10 +255,21 @@ class WorkflowStage(models.Model):
         # ``(status)`` and ``run``'s own foreign-key index were leading prefixes of the
         # indexes below and of the unique constraint: dropped (issue 19; see WorkflowRun).
         indexes = [
-            models.Index(fields=["next_poll_at"], name="wf_stage_next_poll_idx"),
+            # Only a suspended (polled) stage has a ``next_poll_at``: both indexes on it hold
+            # those records alone, and every query of them compares ``next_poll_at`` (which
+            # implies the condition), so a plain stage is never written to them (0021).
+            models.Index(
+                fields=["next_poll_at"],
+                condition=models.Q(next_poll_at__isnull=False),
+                name="wf_stage_polled_idx",
+            ),
             # stage.pollSuspended: due SUSPENDED stages in next_poll_at order; the LIMIT stops
             # the index walk, however many stages are suspended (0007).
-            models.Index(fields=["status", "next_poll_at"], name="wf_stage_status_poll_idx"),
+            models.Index(
+                fields=["status", "next_poll_at"],
+                condition=models.Q(next_poll_at__isnull=False),
+                name="wf_stage_due_poll_idx",
+            ),
             # run.reapStuck's "no stage of this run changed since T": one probe per RUNNING
             # candidate, not a scan of every stage of every finished run (issue 19: 380 ms at
             # 1M finished runs with a parallel Seq Scan of 3.3M stages, plus JIT).
@@ -378,7 +389,13 @@ class WorkflowJob(models.Model):
                 fields=["status", "queue", "-priority", "run_created_at", "id"],
                 name="wf_job_queue_claim_idx",
             ),
-            models.Index(fields=["next_poll_at"], name="wf_job_next_poll_idx"),
+            # Jobs in a retry back-off or suspended (map items) only: the others have no
+            # ``next_poll_at`` and are never written to it (0021).
+            models.Index(
+                fields=["next_poll_at"],
+                condition=models.Q(next_poll_at__isnull=False),
+                name="wf_job_polled_idx",
+            ),
             models.Index(fields=["workflow_run_id"], name="wf_job_run_idx"),
             # Map items: the next HELD item of a run (one per item outcome) and the fan-in's
             # read of the outputs in item order.
