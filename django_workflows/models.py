@@ -115,9 +115,15 @@ class WorkflowRun(models.Model):
         db_table = "workflow_runs"
         ordering = ["-created_at"]
         # Every index is paid for on each INSERT and each UPDATE that cannot stay HOT (a status
-        # change): none is a leading prefix of another (issue 19 dropped ``(status)`` and
-        # ``(workflow_id)``, served by the composite indexes that start with those columns).
+        # change): issue 19 dropped ``(workflow_id)``, served by the composite indexes that
+        # start with it (0018).
         indexes = [
+            # The stuck-run reaper's RUNNING runs not updated since T (and the ticker's "runs
+            # live?"). Dropped in 0018 as a prefix of the composite indexes below; with it
+            # and the stage records' ``(status)`` gone, the reaper's plan became a parallel
+            # sequential scan of the runs: 28 ms against 1.9 ms at 100,000 finished runs
+            # (``python -m bench.scale --quick``). Restored in 0022.
+            models.Index(fields=["status"], name="wf_run_status_idx"),
             # The claim's order, id included (issue 19): with the tie-breaker out of the
             # index, a prepared claim's generic plan, planned while the table was small,
             # sorted every PENDING run for each claim (4-7 ms at 3,000 pending).
@@ -252,9 +258,13 @@ class WorkflowStage(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["run", "stage_id"], name="wf_stage_run_stage_uniq"),
         ]
-        # ``(status)`` and ``run``'s own foreign-key index were leading prefixes of the
-        # indexes below and of the unique constraint: dropped (issue 19; see WorkflowRun).
+        # ``run``'s own foreign-key index was a leading prefix of the unique constraint:
+        # dropped (issue 19, 0018; see WorkflowRun).
         indexes = [
+            # The stuck-run reaper's "a SUSPENDED stage of this run still waits" (next_poll_at
+            # or max_wait_until ahead). Dropped in 0018 and restored in 0022: without it the
+            # reaper's plan turned into a sequential scan of the runs (see WorkflowRun).
+            models.Index(fields=["status"], name="wf_stage_status_idx"),
             # Only a suspended (polled) stage has a ``next_poll_at``: both indexes on it hold
             # those records alone, and every query of them compares ``next_poll_at`` (which
             # implies the condition), so a plain stage is never written to them (0021).
