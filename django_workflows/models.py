@@ -119,10 +119,10 @@ class WorkflowRun(models.Model):
         # start with it (0018).
         indexes = [
             # The stuck-run reaper's RUNNING runs not updated since T (and the ticker's "runs
-            # live?"). Dropped in 0018 as a prefix of the composite indexes below; with it
-            # and the stage records' ``(status)`` gone, the reaper's plan became a parallel
-            # sequential scan of the runs: 28 ms against 1.9 ms at 100,000 finished runs
-            # (``python -m bench.scale --quick``). Restored in 0022.
+            # live?"). A prefix of the composite indexes below, yet kept: without it and the
+            # stage records' ``(status)`` the reaper's plan became a parallel sequential scan
+            # of the runs, 28 ms against 1.9 ms at 100,000 finished runs
+            # (``python -m bench.scale --quick``).
             models.Index(fields=["status"], name="wf_run_status_idx"),
             # The claim's order, id included (issue 19): with the tie-breaker out of the
             # index, a prepared claim's generic plan, planned while the table was small,
@@ -262,8 +262,8 @@ class WorkflowStage(models.Model):
         # dropped (issue 19, 0018; see WorkflowRun).
         indexes = [
             # The stuck-run reaper's "a SUSPENDED stage of this run still waits" (next_poll_at
-            # or max_wait_until ahead). Dropped in 0018 and restored in 0022: without it the
-            # reaper's plan turned into a sequential scan of the runs (see WorkflowRun).
+            # or max_wait_until ahead). Kept: without it the reaper's plan turned into a
+            # sequential scan of the runs (see WorkflowRun).
             models.Index(fields=["status"], name="wf_stage_status_idx"),
             # Only a suspended (polled) stage has a ``next_poll_at``: both indexes on it hold
             # those records alone, and every query of them compares ``next_poll_at`` (which

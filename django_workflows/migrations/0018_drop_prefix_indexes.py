@@ -23,15 +23,7 @@ class Migration(migrations.Migration):
         ),
         migrations.RemoveIndex(
             model_name='workflowrun',
-            name='wf_run_status_idx',
-        ),
-        migrations.RemoveIndex(
-            model_name='workflowrun',
             name='wf_run_workflow_idx',
-        ),
-        migrations.RemoveIndex(
-            model_name='workflowstage',
-            name='wf_stage_status_idx',
         ),
         migrations.AlterField(
             model_name='workflowannotation',
