@@ -73,7 +73,9 @@ class _ServerCounters:
             self.driver_xacts += 1
         return execute(sql, params, many, ctx)
 
-    def start(self) -> None:
+    def start(self, warmed_at: float = 0) -> None:
+        """The opening read, once the cluster has been up (and idle since ``warmed_at``, the
+        end of the driver's warm-up) :data:`bench.pgstats.IDLE_FLUSH_S`."""
         if self.conn is None:
             return
         import os
@@ -81,7 +83,7 @@ class _ServerCounters:
         from bench.pgstats import IDLE_FLUSH_S, db_counters
 
         started = float(os.environ.get("BENCH_CLUSTER_STARTED") or 0)
-        time.sleep(max(1.5, started + IDLE_FLUSH_S - time.time()))
+        time.sleep(max(1.5, max(started, warmed_at) + IDLE_FLUSH_S - time.time()))
         self.before = db_counters(self.conn, self.dbname)
         self.conn.close()
 
@@ -158,6 +160,23 @@ class _Unfinished:
         return not self.open
 
 
+#: Runs (chains) driven through the cluster before a measured window, not measured: as many as
+#: the DBOS peer's warm-up workflows (bench/dbos_peer.py), so every peer is measured warm.
+WARMUP_RUNS = 2
+
+
+def _warm_up(workflow: str, count: int, timeout: float) -> float:
+    """Drive ``count`` runs of ``workflow`` through the cluster, one after another, before the
+    measured window (its workers' first deliveries: their connections' first statements, the
+    server's catalog caches); returns the wall time they were seen done. Their input is
+    ``{"n": -1 - i}``, so no measured run's matches."""
+    from django_workflows import start_run
+
+    for i in range(count):
+        _wait(_Unfinished([start_run(workflow, {"n": -1 - i})]).done, timeout, interval=0.01)
+    return time.time()
+
+
 def create_and_wait(
     n: int,
     *,
@@ -165,16 +184,19 @@ def create_and_wait(
     one_transaction: bool = False,
     timeout: float = 600,
     delivery_timeout: float = 0,
+    warmup: int = WARMUP_RUNS,
 ) -> None:
     """Create ``n`` runs as fast as possible (or all in one transaction: a burst that becomes
     visible at once), then wait until all are terminal. Prints wall times and the run rows;
     with ``delivery_timeout`` > 0 it then waits up to that long for the runs' outbox events to
     be published and adds the outbox rows and the plugin's delivery records.
+
+    ``warmup`` runs go first, unmeasured (:func:`_warm_up`), as the DBOS peer's do.
     """
     from django_workflows import start_run
 
     counters = _ServerCounters()
-    counters.start()
+    counters.start(_warm_up(workflow, warmup, timeout))
     counters.creating(True)
     t_start = time.time()
     t_committed: list[float] = []
@@ -312,17 +334,24 @@ def _stage_completed(run_ids: list[str]) -> dict[str, float | None]:
     }
 
 
-def chain_and_wait(n: int, *, timeout: float = 600) -> None:
+def chain_and_wait(n: int, *, timeout: float = 600, warmup: int = WARMUP_RUNS) -> None:
     """The bare django-q2 peer: start ``n`` chains of 4 trivial tasks as fast as possible, wait
-    until every chain's marker row exists. Prints wall times."""
+    until every chain's marker row exists. Prints wall times. ``warmup`` chains (ids -1, -2,
+    ...) go first, one after another, unmeasured, as the other peers' warm-ups do."""
     from django_q.tasks import async_task
 
     from django_workflows.models import WorkflowBlob
 
     from .tasks import MARKER_PREFIX
 
+    def markers() -> int:
+        return WorkflowBlob.objects.filter(key__startswith=MARKER_PREFIX).count()
+
+    for i in range(warmup):
+        async_task("bench.benchapp.tasks.chain_step", -1 - i, 1)
+        _wait(lambda i=i: markers() >= i + 1, timeout, interval=0.01)
     counters = _ServerCounters()
-    counters.start()
+    counters.start(time.time())
     counters.creating(True)
     t_start = time.time()
     for i in range(n):
@@ -330,7 +359,7 @@ def chain_and_wait(n: int, *, timeout: float = 600) -> None:
     t_created = time.time()
     counters.creating(False)
     finished = _wait(
-        lambda: WorkflowBlob.objects.filter(key__startswith=MARKER_PREFIX).count() >= n,
+        lambda: markers() >= n + warmup,
         timeout,
         interval=DONE_POLL_SECONDS,
     )
