@@ -72,6 +72,17 @@ class PluginRunner:
         self.plugins = list(plugins)
         self.max_retries = max_retries
 
+    def receives_nothing(self) -> bool:
+        """``True`` when :meth:`emit` would hand an event to no one: it is this class's own
+        (a subclass may record events), there is no plugin, and no receiver of
+        :data:`workflow_event` is connected now. The outbox flush then marks the waiting events
+        published without reading them (:mod:`.kernel.handlers.outbox_flush`, issue 19)."""
+        return (
+            type(self).emit is PluginRunner.emit
+            and not self.plugins
+            and not workflow_event.has_listeners(PluginRunner)
+        )
+
     def emit(self, event: dict[str, Any]) -> None:
         """Deliver ``event``; the first error propagates so the outbox retries it (EV-31)."""
         workflow_event.send(sender=PluginRunner, event=event)

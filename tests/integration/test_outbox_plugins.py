@@ -450,6 +450,83 @@ def test_plugins_listed_in_settings_receive_published_events(settings: Any) -> N
         load_plugins()
 
 
+def _silent_kernel(clock: FakeClock) -> Kernel:
+    """A kernel whose sink hands events to no one: no plugin (and, unless a test connects one,
+    no ``workflow_event`` receiver)."""
+    return make_kernel(two_stage(), clock=clock, event_sink=PluginRunner([]))
+
+
+def test_a_sink_with_no_receiver_has_events_marked_published_in_order_without_reading_them(
+    clock: FakeClock,
+) -> None:
+    """Issue 19: with no plugin, no ``workflow_event`` receiver and tracing off, a pass marks
+    published exactly the events a delivering pass would publish - the first ``max_events``
+    by run id, then sequence - in one statement; the rest wait for the next pass."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    kernel = _silent_kernel(clock)
+    assert kernel.event_sink.receives_nothing()  # type: ignore[attr-defined]
+    runs = [_create(kernel) for _ in range(3)]
+    kernel.dispatch(ClaimPendingRuns(worker_id="w"))  # each run: created, then started, ...
+    waiting = list(
+        OutboxEvent.objects.filter(published_at__isnull=True)
+        .order_by("workflow_run_id", "sequence")
+        .values_list("pk", flat=True)
+    )
+    assert len(waiting) > 4 and {str(r) for r in runs} == {
+        str(r) for r in OutboxEvent.objects.values_list("workflow_run_id", flat=True)
+    }
+    with CaptureQueriesContext(connection) as queries:
+        assert _flush(kernel, max_events=4) == 4
+    assert len(queries.captured_queries) == 1
+    assert queries.captured_queries[0]["sql"].lstrip().upper().startswith("UPDATE")
+    published = set(
+        OutboxEvent.objects.filter(published_at=clock.now()).values_list("pk", flat=True)
+    )
+    assert published == set(waiting[:4])
+    assert _flush(kernel) == len(waiting) - 4
+    assert not OutboxEvent.objects.filter(published_at__isnull=True).exists()
+    assert _flush(kernel) == 0
+    assert _flush(kernel, max_events=0) == 0
+
+
+def test_a_sink_with_no_receiver_still_holds_a_dead_lettered_runs_later_events(
+    dead_run: tuple[Kernel, Handler, str, str], clock: FakeClock
+) -> None:
+    """EC-27 on the marking pass: a run behind a dead letter keeps its later events unpublished
+    (the plugin that failed was removed); other runs' events are marked published."""
+    _, _, run_a, run_b = dead_run
+    kernel = _silent_kernel(clock)
+    assert _flush(kernel) == 1  # run B's workflow:created
+    assert _row(run_b, 1).published_at == clock.now()
+    assert _row(run_a, 1).published_at is None and _row(run_a, 1).dlq_at is not None
+    assert _row(run_a, 2).published_at is None
+
+
+def test_a_workflow_event_receiver_gets_every_event_though_there_is_no_plugin(
+    clock: FakeClock,
+) -> None:
+    """A receiver of ``workflow_event`` connected to a sink without plugins turns the marking
+    pass off: events are read and delivered to it, payload, sequence and id included."""
+    got: list[dict[str, Any]] = []
+
+    def listener(sender: Any, event: dict[str, Any], **kwargs: Any) -> None:
+        got.append(event)
+
+    kernel = _silent_kernel(clock)
+    run_id = _create(kernel)
+    workflow_event.connect(listener, dispatch_uid="test-silent-listener")
+    try:
+        assert not kernel.event_sink.receives_nothing()  # type: ignore[attr-defined]
+        assert _flush(kernel) == 1
+    finally:
+        workflow_event.disconnect(dispatch_uid="test-silent-listener")
+    row = _row(run_id, 1)
+    assert got == [{**row.payload, "sequence": 1, "event_id": row.pk}]
+    assert row.published_at == clock.now()
+
+
 def test_workflow_event_signal_reaches_in_process_listeners(
     kernel_for: Callable[..., Kernel],
 ) -> None:
