@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from ... import telemetry
 from ...models import Status, WorkflowRun
 from .. import events as ev
+from .. import rows
 from ..annotations import inputs_from_specs
 from ..commands import CreateRun, CreateRunResult
 from ..errors import (
@@ -93,7 +94,10 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
 
     now = kernel.clock.now()
     with telemetry.creating(workflow.id) as (trace_context, span):
-        run = WorkflowRun.objects.create(
+        # rows.new/insert: the statement's SQL is built once per process, not compiled by
+        # the ORM per run (issue 19: about 0.2 ms of the creating process's CPU per run)
+        run = rows.new(
+            WorkflowRun,
             created_at=now,
             updated_at=now,
             workflow_id=workflow.id,
@@ -111,6 +115,7 @@ def handle(kernel: Kernel, cmd: CreateRun) -> HandlerOutput:
             concurrency_key=key,
             trace_context=trace_context,
         )
+        rows.insert([run])
         if span is not None:
             span.set_attribute("workflow.run_id", str(run.pk))
     ensure_stored(workflow, now)  # no statement once this process stored the version
