@@ -5,7 +5,8 @@ A worker runs this story in a loop (:func:`work`, here); each step is a module o
 
 1. **Lease** (:mod:`.stage_path.lease`; one transaction, only when the worker holds no job yet):
    lock the next ready job (``SKIP LOCKED``; highest priority, then oldest run first), or else claim
-   a PENDING run and insert its first job already leased to this worker; stamp the lease with the
+   a PENDING run (locked and made RUNNING in one statement unless its key must be checked first)
+   and insert its first job already leased to this worker; stamp the lease with the
    database's clock (:mod:`.leases`); lock the run and check it is RUNNING (the RUNNING guard); mark
    the stage record RUNNING and append ``stage:started``. Once committed, the job belongs to this
    delivery, identified by its token: the job id and the ``attempt`` it was leased with.

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.db import connection, transaction
@@ -259,6 +260,7 @@ def claim_next_allowed_run(
     versions: VersionPairs | None,
     transport: JobTransport | None = None,
     claim: Callable[..., WorkflowRun | None] | None = None,
+    start_at: datetime | None = None,
 ) -> WorkflowRun | None:
     """:func:`.locking.claim_next_pending_run`, passing over runs whose key is held by its
     ``max_running_per_key`` (the next run of another key, or unkeyed, is claimed instead;
@@ -268,13 +270,18 @@ def claim_next_allowed_run(
     ``claim(versions)``. ``claim``: the claim statement (default
     :func:`.locking.claim_next_pending_run`; callers pass the name they import, so a test
     that replaces it there still sees its replacement called).
+
+    ``start_at``: without a keyed workflow registered, the claim statement also makes the run
+    RUNNING at that time (``claim(versions, start_at=...)``; issue 19); the run returned says
+    which happened (``status``). With keyed workflows the run is returned PENDING, locked:
+    its key is checked under its lock first.
     """
     from .locking import claim_next_pending_run
 
     claim = claim or claim_next_pending_run
     limits = key_limits(registry)
     if not limits:
-        return claim(versions)
+        return claim(versions) if start_at is None else claim(versions, start_at=start_at)
     held: list[tuple[str, str]] = []
     while True:  # full keys are passed over in the statement; this loops on lock contention
         run = claim(versions, exclude_keys=held, key_limits=limits)

@@ -353,6 +353,57 @@ def select(
     return [_build(model, attnames, converters, row, connection) for row in rows]
 
 
+def update_first(
+    model: type[M],
+    key: str,
+    where: str,
+    params: Sequence[Any],
+    *,
+    order_by: str,
+    values: dict[str, Any],
+    bump_version: bool = False,
+) -> M | None:
+    """Lock and change the first row of ``model`` in ``order_by`` that matches ``where`` and
+    no other transaction holds, in one statement; the changed instance, or ``None``.
+
+    ``UPDATE <table> SET <values> WHERE <pk> = (SELECT <pk> FROM <table> WHERE <where>
+    ORDER BY <order_by> LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING <all columns>`` (issue 19:
+    a claim that was a ``SELECT ... FOR UPDATE SKIP LOCKED`` and an ``UPDATE`` by primary
+    key). ``values``: attnames to values, prepared by their fields as :func:`update` prepares
+    them; ``bump_version``: also ``version = version + 1``. ``key``, ``where``, ``params``
+    and ``order_by`` as for :func:`select`. ``SKIP LOCKED`` is left out where the database has
+    no row locks (SQLite, where the ``IMMEDIATE`` transaction already holds the write lock).
+    """
+    connection = _conn()
+    names = sorted(values)
+    skey = ("update_first", connection.vendor, model, key, tuple(names), bump_version)
+    shape = _shapes.get(skey)
+    meta = model._meta
+    if shape is None:
+        columns, attnames, converters = _reader(model, connection)
+        table, pk = _q(meta.db_table), _q(meta.pk.column)
+        entries = writable([meta.get_field(n) for n in names])
+        sets = [f"{entry[3]} = %s" for entry in entries]
+        if bump_version:
+            sets.insert(0, f"{_q('version')} = {_q('version')} + 1")
+        lock = ""
+        if connection.features.has_select_for_update:
+            lock = " FOR UPDATE"
+            if connection.features.has_select_for_update_skip_locked:
+                lock += " SKIP LOCKED"
+        sql = (
+            f"UPDATE {table} SET {', '.join(sets)} WHERE {pk} = (SELECT {pk} FROM {table} "
+            f"WHERE {where} ORDER BY {order_by} LIMIT 1{lock}) RETURNING {columns}"
+        )
+        shape = _shapes[skey] = (sql, entries, attnames, converters)
+    sql, entries, attnames, converters = shape
+    set_params = [db_value(entry, values[entry[1]], connection) for entry in entries]
+    cursor = _cursor(connection)
+    cursor.execute(sql, set_params + list(params))
+    found = cursor.fetchall()
+    return _build(model, attnames, converters, found[0], connection) if found else None
+
+
 def prep(model: type[Model], name: str, value: Any) -> Any:
     """``value`` prepared for a query parameter compared with ``model.name``, as
     ``filter(name=value)`` prepares it (``get_db_prep_value``); a value the field would send

@@ -56,8 +56,10 @@ def _nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _claim_statement(versions: Any) -> tuple[str, list[Any]]:
-    """The claim's SQL and parameters as :func:`claim_next_pending_run` sends them."""
+def _claim_statement(versions: Any, start_at: Any = None) -> tuple[str, list[Any]]:
+    """The claim's SQL and parameters as :func:`claim_next_pending_run` sends them (with
+    ``start_at``: the claim that also makes the run RUNNING, an ``UPDATE`` around the same
+    ``SELECT``)."""
     seen: list[tuple[str, list[Any]]] = []
 
     def wrapper(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
@@ -66,15 +68,18 @@ def _claim_statement(versions: Any) -> tuple[str, list[Any]]:
         return execute(sql, params, many, context)
 
     with connection.execute_wrapper(wrapper), transaction.atomic():
-        assert claim_next_pending_run(versions) is not None
+        assert claim_next_pending_run(versions, start_at=start_at) is not None
     assert len(seen) == 1, seen
     return seen[0]
 
 
+@pytest.mark.parametrize("starts", [False, True], ids=["lock", "lock-and-start"])
 @pytest.mark.parametrize(
     "versions", [None, (("claim-plan", "v1"),)], ids=["any-version", "versioned"]
 )
-def test_a_generic_claim_plan_reads_one_index_entry_without_sorting(versions: Any) -> None:
+def test_a_generic_claim_plan_reads_one_index_entry_without_sorting(
+    versions: Any, starts: bool
+) -> None:
     with connection.cursor() as cursor:
         # a new table and indexes, as at deploy (an earlier test may have grown them and
         # rolled its rows back: the pages stay, and they weigh in the planner's costs)
@@ -84,7 +89,8 @@ def test_a_generic_claim_plan_reads_one_index_entry_without_sorting(versions: An
         cursor.execute("ANALYZE workflow_runs")  # statistics of a tiny table, as at deploy
     WorkflowRun.objects.bulk_create(_runs(BACKLOG, offset=1))
 
-    sql, params = _claim_statement(versions)
+    sql, params = _claim_statement(versions, START if starts else None)
+    assert sql.startswith("UPDATE") == starts, sql
     numbered = iter(range(1, len(params) + 1))
     prepared = re.sub(r"%s", lambda _m: f"${next(numbered)}", sql)
     with transaction.atomic(), connection.cursor() as cursor:

@@ -137,6 +137,84 @@ def test_claim_pending_respects_max_claims(kernel_for: KernelFor, clock: FakeClo
     assert WorkflowJob.objects.count() == 2
 
 
+def test_the_claim_statement_starts_the_run_it_locks(
+    kernel_for: KernelFor, clock: FakeClock
+) -> None:
+    """Issue 19, DM-33: with ``start_at`` (no keyed workflow registered) the claim makes the
+    run RUNNING - started and updated at that time, version bumped - in the one statement
+    that locks it, highest priority then oldest first; the next claim takes the next PENDING
+    run; with none left it returns ``None`` and writes nothing."""
+    from django.db import connection, transaction
+    from django.test.utils import CaptureQueriesContext
+
+    from django_workflows.kernel.locking import claim_next_pending_run
+
+    kernel = kernel_for(two_stage())
+    older = _create(kernel)
+    clock.advance(1)
+    newer = _create(kernel)
+    clock.advance(1)
+    urgent = _create(kernel, priority=9)
+    version = WorkflowRun.objects.get(pk=older).version
+    start = clock.advance(5)
+    claimed = []
+    for _ in range(3):
+        with transaction.atomic(), CaptureQueriesContext(connection) as queries:
+            run = claim_next_pending_run(start_at=start)
+        assert run is not None
+        assert len(queries.captured_queries) == 1
+        assert queries.captured_queries[0]["sql"].startswith("UPDATE")
+        assert (run.status, run.started_at, run.updated_at) == (Status.RUNNING, start, start)
+        claimed.append(run.pk)
+    assert claimed == [urgent, older, newer]
+    stored = WorkflowRun.objects.get(pk=older)
+    assert (stored.status, stored.started_at, stored.version) == (
+        Status.RUNNING,
+        start,
+        version + 1,
+    )
+    with transaction.atomic():
+        assert claim_next_pending_run(start_at=start) is None
+
+
+def test_a_claim_among_keyed_workflows_starts_the_run_only_once_its_key_is_checked(
+    kernel_for: KernelFor, clock: FakeClock
+) -> None:
+    """With a keyed workflow registered, the claim returns the run still PENDING and locked
+    (its key is checked under its lock first, issue 18 item 6); ``run.claimPending`` then
+    starts it: one ``workflow:started``, RUNNING at the claim's time."""
+    from django.db import transaction
+
+    from django_workflows.kernel.limits import claim_next_allowed_run
+    from django_workflows.kernel.locking import claim_next_pending_run
+
+    keyed = (
+        define_workflow(
+            id="keyed",
+            input=Num,
+            concurrency_key=lambda i: str(i.value),
+            max_running_per_key=1,
+        )
+        .pipe(add(1, "only"))
+        .build()
+    )
+    kernel = kernel_for(two_stage(), keyed)
+    run_id = _create(kernel)
+    with transaction.atomic():
+        run = claim_next_allowed_run(
+            kernel.registry, None, claim=claim_next_pending_run, start_at=clock.now()
+        )
+        assert run is not None and run.pk == run_id and run.status == Status.PENDING
+        transaction.set_rollback(True)
+    start = clock.advance(2)
+    assert [
+        c.workflow_run_id for c in kernel.dispatch(ClaimPendingRuns(worker_id="w")).claimed
+    ] == [str(run_id)]
+    stored = WorkflowRun.objects.get(pk=run_id)
+    assert (stored.status, stored.started_at) == (Status.RUNNING, start)
+    assert _outbox_types(run_id).count("workflow:started") == 1
+
+
 def test_claim_pending_fails_run_of_missing_workflow(
     kernel_for: KernelFor, clock: FakeClock, sink: CollectingSink
 ) -> None:

@@ -10,6 +10,7 @@ group-1 records are upserted and jobs enqueued for those that are PENDING (K-CP-
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ...models import Status, WorkflowJob, WorkflowRun, WorkflowStage
@@ -77,12 +78,13 @@ def handle(kernel: Kernel, cmd: ClaimPendingRuns) -> HandlerOutput:
     events: list[dict[str, Any]] = []
     versions = kernel.registry.runnable_versions()  # issue 12 item 3
     for _ in range(max(0, cmd.max_claims)):
+        now = kernel.clock.now()
         run = claim_next_allowed_run(
-            kernel.registry, versions, kernel.transport, claim=claim_next_pending_run
+            kernel.registry, versions, kernel.transport, claim=claim_next_pending_run, start_at=now
         )
         if run is None:
             break
-        started = start_claimed_run(kernel, run, cmd.worker_id, events)
+        started = start_claimed_run(kernel, run, cmd.worker_id, events, now=now)
         if started is not None:
             claimed.append(started.claimed)
     return HandlerOutput(ClaimPendingRunsResult(claimed), events)
@@ -96,19 +98,25 @@ def start_claimed_run(
     *,
     reserve_for: str | None = None,
     serves: frozenset[str] | None = None,
+    now: datetime | None = None,
 ) -> StartedRun | None:
     """Move a claimed (locked, PENDING) run to RUNNING and enqueue its first group (K-CP-2..6);
-    its events are appended to ``events``. ``reserve_for`` leases the first job to that worker
-    if it serves the job's queue (``serves``: its queues, ``None`` any; see
-    :func:`.base.enqueue_stage_jobs`): then ``jobs[0]`` is RUNNING, leased to it.
+    its events are appended to ``events``. A run the claim statement made RUNNING already
+    (:func:`..locking.claim_next_pending_run` with ``start_at``, issue 19) is not written
+    again; ``now`` is then that ``start_at`` (else the kernel's clock is read).
+    ``reserve_for`` leases the first job to that worker if it serves the job's queue
+    (``serves``: its queues, ``None`` any; see :func:`.base.enqueue_stage_jobs`): then
+    ``jobs[0]`` is RUNNING, leased to it.
 
     Returns what was started, or ``None`` when the run was failed instead (workflow missing,
     or preparing its first group raised: Part I item 2), or - a workflow with conditions -
     completed or failed at once (every stage skipped, a condition raised; issue 18).
     """
-    now = kernel.clock.now()
-    update_run(run.pk, now, status=Status.RUNNING, started_at=now)
-    run.status, run.started_at = Status.RUNNING, now
+    if now is None:
+        now = kernel.clock.now()
+    if run.status != Status.RUNNING:
+        update_run(run.pk, now, status=Status.RUNNING, started_at=now)
+        run.status, run.started_at = Status.RUNNING, now
     workflow = kernel.registry.get(run.workflow_id)
     if workflow is None:
         _fail(

@@ -186,13 +186,14 @@ def lease_within(
         if held is not None and run is held.run:
             records, outputs = held.records, held.outputs
     else:
+        now = kernel.clock.now()  # the claim statement starts the run (issue 19)
         run = claim_next_allowed_run(
-            kernel.registry, versions, kernel.transport, claim=claim_next_pending_run
+            kernel.registry, versions, kernel.transport, claim=claim_next_pending_run, start_at=now
         )
         if run is None:
             return _BUSY if passed_over else None
         started = start_claimed_run(
-            kernel, run, worker_id, events, reserve_for=worker_id, serves=queues
+            kernel, run, worker_id, events, reserve_for=worker_id, serves=queues, now=now
         )
         if started is None or not started.jobs or started.jobs[0].worker_id != worker_id:
             _append_or_hand_over(kernel, events, events_out)
