@@ -354,8 +354,16 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return value, time.perf_counter() - t0
 
 
-#: the background load: one process spinning in pure Python (one busy core)
-SPINNER = "while True:\n    pass\n"
+#: The background load: one process spinning in pure Python (one busy core), until its parent
+#: (the pid it is given) is gone - a bench stopped by a signal runs no ``finally`` and would
+#: leave it spinning for good (one did, for 40 minutes). It looks at its parent every 200,000
+#: iterations (a few milliseconds).
+SPINNER = (
+    "import os, sys\n"
+    "while os.getppid() == int(sys.argv[1]):\n"
+    "    for _ in range(200_000):\n"
+    "        pass\n"
+)
 
 
 @contextmanager
@@ -365,7 +373,7 @@ def background_load(enabled: bool = True) -> Iterator[subprocess.Popen[bytes] | 
     if not enabled:
         yield None
         return
-    proc = subprocess.Popen([sys.executable, "-c", SPINNER])
+    proc = subprocess.Popen([sys.executable, "-c", SPINNER, str(os.getpid())])
     try:
         time.sleep(0.5)  # running before the measurement starts
         yield proc
