@@ -313,6 +313,16 @@ def _build(
     return obj
 
 
+def _lock_clause(connection: Any, lock: str) -> str:
+    """`` FOR UPDATE`` (``lock="update"``) or `` FOR UPDATE SKIP LOCKED`` (``"skip"``) where the
+    database has row locks; ``""`` for ``lock=""`` and on SQLite."""
+    if not lock or not connection.features.has_select_for_update:
+        return ""
+    if lock == "skip" and connection.features.has_select_for_update_skip_locked:
+        return " FOR UPDATE SKIP LOCKED"
+    return " FOR UPDATE"
+
+
 def select(
     model: type[M],
     key: str,
@@ -341,10 +351,7 @@ def select(
             sql += f" ORDER BY {order_by}"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
-        if lock and connection.features.has_select_for_update:
-            sql += " FOR UPDATE"
-            if lock == "skip" and connection.features.has_select_for_update_skip_locked:
-                sql += " SKIP LOCKED"
+        sql += _lock_clause(connection, lock)
         shape = _shapes[skey] = (sql, attnames, converters)
     sql, attnames, converters = shape
     cursor = _cursor(connection)
@@ -386,14 +393,10 @@ def update_first(
         sets = [f"{entry[3]} = %s" for entry in entries]
         if bump_version:
             sets.insert(0, f"{_q('version')} = {_q('version')} + 1")
-        lock = ""
-        if connection.features.has_select_for_update:
-            lock = " FOR UPDATE"
-            if connection.features.has_select_for_update_skip_locked:
-                lock += " SKIP LOCKED"
         sql = (
             f"UPDATE {table} SET {', '.join(sets)} WHERE {pk} = (SELECT {pk} FROM {table} "
-            f"WHERE {where} ORDER BY {order_by} LIMIT 1{lock}) RETURNING {columns}"
+            f"WHERE {where} ORDER BY {order_by} LIMIT 1{_lock_clause(connection, 'skip')}) "
+            f"RETURNING {columns}"
         )
         shape = _shapes[skey] = (sql, entries, attnames, converters)
     sql, entries, attnames, converters = shape

@@ -69,7 +69,7 @@ def handle(kernel: Kernel, cmd: FlushOutbox) -> FlushOutboxResult:
         # Nobody would receive them (no plugin, no workflow_event receiver, no trace to
         # record): mark the first ``limit`` waiting events published in one statement, the
         # same events in the same order a pass would publish, without reading a payload
-        # (issue 19: a worker's flush CPU per event roughly halves).
+        # (issue 19: the flushing process's CPU per event about a quarter).
         if not limit:
             return FlushOutboxResult(0)
         first = _waiting().values("pk")[:limit]
