@@ -459,15 +459,17 @@ class Supervisor:
         return self._thread is not None and self._thread.is_alive()
 
     def halt(self, *, stop_duties: bool = True) -> None:
-        """End the thread (tests); duties are stopped first unless ``stop_duties`` is false
-        (then nothing touches the database: a test kit tearing down after its database)."""
-        if stop_duties:
-            for duty in list(self.duties):
-                duty.stop()
+        """End the thread (tests), then stop the duties unless ``stop_duties`` is false (then
+        nothing touches the database: a test kit tearing down after its database). The thread
+        ends first so a duty's ``stop`` never races the same duty's ``run`` (on SQLite's
+        shared in-memory test database that race fails with "database table is locked")."""
         self._halt.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if stop_duties:
+            for duty in list(self.duties):
+                duty.stop()
 
     def run_once(self) -> float:
         """Run every duty that is due; return seconds until the next one is."""

@@ -537,3 +537,48 @@ def test_an_outbox_backlog_without_live_runs_still_needs_a_ticker(
     assert not OutboxEvent.objects.filter(published_at=None).exists()
     duty.run(1.0)
     assert not duty.holding and not ticker_needed(kernel.lease_clock)
+
+
+class _Blocking:
+    """A duty whose ``run`` waits inside until ``release`` is set, recording whether ``stop``
+    was called while a ``run`` was still in progress."""
+
+    name = "blocking"
+
+    def __init__(self) -> None:
+        import threading
+
+        self.inside = threading.Event()
+        self.release: Any = threading.Event()
+        self.running = False
+        self.stopped_while_running: bool | None = None
+
+    def poke(self) -> None:
+        return None
+
+    def run(self, now: float) -> float:
+        self.running = True
+        self.inside.set()
+        self.release.wait(10)
+        self.running = False
+        return 3600.0
+
+    def stop(self) -> None:
+        self.stopped_while_running = self.running
+
+
+def test_halt_ends_the_thread_before_stopping_the_duties() -> None:
+    """``halt`` ends the supervisor thread first, so a duty's ``stop`` never runs beside the
+    same duty's ``run`` (CI, stop 28: the presence withdraw raced an announce on SQLite's
+    shared in-memory database and failed with "database table is locked"). The duty's run
+    returns once the halt is requested: stopping the duty before that would find it running.
+    """
+    duty = _Blocking()
+    supervisor = Supervisor()
+    supervisor.add(duty)
+    duty.release = supervisor._halt
+    supervisor.start()
+    assert duty.inside.wait(10)
+    supervisor.halt()
+    assert duty.stopped_while_running is False
+    assert not supervisor.alive
