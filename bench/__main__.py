@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--delivery-wait", type=float, default=None, help="s to wait for event delivery (75)"
     )
+    parser.add_argument(
+        "--bursts", type=int, default=None, help="one-transaction bursts, median reported (3)"
+    )
     parser.add_argument("--pgbench-seconds", type=int, default=None, help="per pgbench run (5)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     parser.add_argument(
@@ -69,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.delivery_wait if args.delivery_wait is not None else (20.0 if quick else 75.0)
     )
     args.pgbench_seconds = args.pgbench_seconds or (2 if quick else 5)
+    args.bursts = args.bursts or (1 if quick else 3)
     args.idle_seconds = args.idle_seconds or (5.0 if quick else 20.0)
     return args
 
@@ -141,11 +145,11 @@ def bench_database(
             dbs, backend, args.latency_runs, pause=0.5, delivery_timeout=args.delivery_wait
         ),
     )
-    log(f"{backend}: burst of {n}")
+    log(f"{backend}: {args.bursts} bursts of {n}")
     out["burst"] = guarded(
         errors,
         f"{backend} burst",
-        lambda: sections.burst(dbs, backend, n, delivery_timeout=args.delivery_wait),
+        lambda: sections.bursts(dbs, backend, n, args.bursts, delivery_timeout=args.delivery_wait),
     )
     log(f"{backend}: idle cluster ({args.idle_seconds} s)")
     out["idle"] = guarded(

@@ -70,6 +70,7 @@ def main() -> None:
         return step_d(step_b(a), step_c(a))
 
     DBOS.launch()
+    burst: dict[str, Any] = {}
     try:
         queue = DBOS.register_queue(
             "dw_bench_queue", worker_concurrency=2, polling_interval_sec=0.05
@@ -115,6 +116,8 @@ def main() -> None:
                 h.get_result()
         seconds = time.perf_counter() - t0
         cpu, t1_wall = time.process_time() - cpu0, time.time()
+        if args.mode == "queue":
+            burst = _burst_shape(args.url, [h.get_workflow_id() for h in handles])
         server = {"before": before, "driver_xacts": 0, "own_xacts": 0} if before else None
     finally:
         DBOS.destroy()
@@ -133,9 +136,39 @@ def main() -> None:
                 "server": server,
                 "t_start": t0_wall,
                 "t_end": t1_wall,
+                **burst,
             }
         )
     )
+
+
+def _burst_shape(url: str, workflow_ids: list[str]) -> dict[str, Any]:
+    """The queue mode's burst shape, as the bench's burst section measures ours: each
+    workflow's enqueue -> completion (``workflow_status.created_at`` -> ``updated_at``, epoch
+    ms, written by DBOS itself), its p50, the burst duration (first enqueue -> last completion)
+    and ``p50_over_burst``. ``{}`` if DBOS's status table cannot be read (another version)."""
+    import psycopg
+
+    try:
+        with psycopg.connect(url.split("?")[0], autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT created_at, updated_at FROM dbos.workflow_status "
+                "WHERE workflow_uuid = ANY(%s) AND status = 'SUCCESS'",
+                (workflow_ids,),
+            ).fetchall()
+    except psycopg.Error:
+        return {}
+    if not rows:
+        return {}
+    from bench.common import percentile
+
+    p50 = percentile([done - created for created, done in rows], 50) or 0.0
+    burst_ms = max(done for _, done in rows) - min(created for created, _ in rows)
+    return {
+        "burst_p50_ms": p50,
+        "burst_seconds": burst_ms / 1000,
+        "p50_over_burst": round(p50 / burst_ms, 3) if burst_ms else None,
+    }
 
 
 def _version() -> str | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench import report
 from bench.benchapp import sqlcount
 from bench.pgstats import BackendCpu, counter_delta, per_unit, pg_cpu_summary
@@ -150,3 +152,61 @@ def test_burst_event_delivery_counts_from_the_creation_commit() -> None:
     assert round(out["written_p50_ms"]) == 700  # event 1 from its row: 700 ms
     plain = delivery_stats(data, 75.0)
     assert plain["p50_ms"] == plain["written_p50_ms"]
+
+
+def test_burst_shape_is_the_median_latency_over_the_burst_and_its_floor() -> None:
+    from bench.sections import fifo_floor, p50_over_burst
+
+    # runs finishing 1..9 s after their creates over a 10 s burst: median latency 5 s
+    assert p50_over_burst([float(ms) for ms in range(1000, 10_000, 1000)], 10.0) == 0.5
+    assert p50_over_burst([], 10.0) is None
+    assert p50_over_burst([100.0], 0.0) is None
+    # the first run done 0.2 s after the commit of a 2 s burst: nothing FIFO beats 0.55
+    assert fifo_floor(0.2, 2.0) == 0.55
+    assert fifo_floor(-0.01, 2.0) == 0.5  # clock noise: never below 0.5
+    assert fifo_floor(0.2, 0.0) is None
+
+
+def test_bursts_report_the_median_burst_and_the_worst_delivery(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from bench import sections
+
+    shapes = iter([(0.53, 140.0), (0.49, 420.0), RuntimeError("cluster died"), (0.51, 90.0)])
+
+    def fake_burst(dbs: object, backend: str, runs: int, *, delivery_timeout: float) -> dict:
+        got = next(shapes)
+        if isinstance(got, Exception):
+            raise got
+        return {
+            "p50_over_burst": got[0],
+            "fifo_floor": 0.505,
+            "event_delivery": {"p95_ms": got[1]},
+        }
+
+    monkeypatch.setattr(sections, "burst", fake_burst)
+    out = sections.bursts(None, "postgres", 300, 4, delivery_timeout=1.0)  # type: ignore[arg-type]
+    assert out["p50_over_burst"] == 0.51 and out["p50_over_burst_median"] == 0.51
+    assert out["event_delivery_p95_ms_max"] == 420.0
+    assert [b.get("p50_over_burst") for b in out["bursts"]] == [0.53, 0.49, None, 0.51]
+    assert "cluster died" in out["bursts"][2]["error"]
+    monkeypatch.setattr(sections, "burst", lambda *a, **k: (_ for _ in ()).throw(OSError("x")))
+    with pytest.raises(OSError):  # every burst failed: the error reaches the caller
+        sections.bursts(None, "postgres", 300, 2, delivery_timeout=1.0)  # type: ignore[arg-type]
+
+
+def test_burst_shape_targets_read_the_rounds_and_show_the_one_transaction_burst() -> None:
+    quiet, loaded = _round(100, 200, 50, 0.5), _round(50, 40, 100, 1.5)
+    quiet["ours"]["p50_over_burst"], loaded["ours"]["p50_over_burst"] = 0.42, 0.55
+    quiet["dbos_queue"]["p50_over_burst"] = 0.47
+    rounds = [{"round": 1, **quiet, "loaded": loaded}]
+    data = {"rounds": rounds, "conditions": report.summarize_conditions(rounds)}
+    data["burst"] = {"p50_over_burst_median": 0.512, "fifo_floor_median": 0.504}
+    assert data["conditions"]["quiet"]["dbos_queue_p50_over_burst"] == 0.47
+    assert data["conditions"]["loaded"]["dbos_queue_p50_over_burst"] is None
+    targets = report.evaluate_targets({"databases": {"postgres": data}})
+    shape = {t["target"]: t for t in targets if "burst duration" in t["target"]}
+    by_condition = {name.rsplit("(median, ", 1)[-1]: t["pass"] for name, t in shape.items()}
+    assert by_condition["quiet)"] is True and by_condition["loaded)"] is False
+    (one,) = [t for t in shape.values() if t["op"] == "info"]
+    assert one["value"] == 0.512 and one["pass"] is None and "0.504" in one["target"]
