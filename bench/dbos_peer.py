@@ -118,7 +118,9 @@ def main() -> None:
         cpu, t1_wall = time.process_time() - cpu0, time.time()
         if args.mode == "queue":
             burst = _burst_shape(args.url, [h.get_workflow_id() for h in handles])
-        server = {"before": before, "driver_xacts": 0, "own_xacts": 0} if before else None
+        # the shape's read is one transaction on the measured database, inside the window
+        own = int(burst.pop("burst_shape_read_xacts", 0))
+        server = {"before": before, "driver_xacts": 0, "own_xacts": own} if before else None
     finally:
         DBOS.destroy()
     steps = args.runs * STEPS_PER_WORKFLOW
@@ -143,31 +145,41 @@ def main() -> None:
 
 
 def _burst_shape(url: str, workflow_ids: list[str]) -> dict[str, Any]:
-    """The queue mode's burst shape, as the bench's burst section measures ours: each
-    workflow's enqueue -> completion (``workflow_status.created_at`` -> ``updated_at``, epoch
-    ms, written by DBOS itself), its p50, the burst duration (first enqueue -> last completion)
-    and ``p50_over_burst``. ``{}`` if DBOS's status table cannot be read (another version)."""
+    """The queue mode's burst shape, as section 1 measures ours: each workflow's enqueue ->
+    completion (``workflow_status.created_at`` -> ``completed_at``, epoch ms written by DBOS
+    itself), the median of those ÷ the burst's duration (first enqueue -> last completion),
+    and the steady-rate value ``0.5 + (t0 - C) / (2 D)`` (``t0`` the first enqueued
+    workflow's latency, ``C`` first -> last enqueue; bench/sections.py
+    ``steady_rate_value``). ``{}`` if DBOS's status table cannot be read (another version)
+    or a workflow did not succeed."""
     import psycopg
+
+    from bench.common import percentile
 
     try:
         with psycopg.connect(url.split("?")[0], autocommit=True) as conn:
             rows = conn.execute(
-                "SELECT created_at, updated_at FROM dbos.workflow_status "
-                "WHERE workflow_uuid = ANY(%s) AND status = 'SUCCESS'",
+                "SELECT created_at, COALESCE(completed_at, updated_at) FROM dbos.workflow_status "
+                "WHERE workflow_uuid = ANY(%s) AND status = 'SUCCESS' ORDER BY created_at",
                 (workflow_ids,),
             ).fetchall()
     except psycopg.Error:
         return {}
-    if not rows:
-        return {}
-    from bench.common import percentile
-
-    p50 = percentile([done - created for created, done in rows], 50) or 0.0
-    burst_ms = max(done for _, done in rows) - min(created for created, _ in rows)
+    if not rows or len(rows) != len(workflow_ids):
+        return {"burst_shape_read_xacts": 1}
+    created = [row[0] for row in rows]
+    p50 = percentile([done - start for start, done in rows], 50)
+    burst_ms = max(done for _, done in rows) - created[0]
+    if not p50 or burst_ms <= 0:
+        return {"burst_shape_read_xacts": 1}
+    t0, c = rows[0][1] - rows[0][0], created[-1] - created[0]
     return {
+        "burst_shape_read_xacts": 1,
         "burst_p50_ms": p50,
         "burst_seconds": burst_ms / 1000,
-        "p50_over_burst": round(p50 / burst_ms, 3) if burst_ms else None,
+        "create_seconds": c / 1000,
+        "p50_over_burst": round(p50 / burst_ms, 3),
+        "steady_rate_value": round(0.5 + (t0 - c) / (2 * burst_ms), 3),
     }
 
 

@@ -121,46 +121,65 @@ def _round(value: float | None, digits: int = 2) -> float | None:
 
 
 def _run_metrics(data: dict[str, Any]) -> dict[str, Any]:
-    """Rates and latencies from a ``create_and_wait`` result (wall times of one host)."""
+    """Rates and latencies from a ``create_and_wait`` result (wall times of one host), and
+    the burst's shape (:func:`p50_over_burst`, ``None`` when a run did not complete) beside
+    its :func:`steady_rate_value` for runs created over ``create_seconds``."""
     runs = data["runs"]
     done = [r for r in runs if r["status"] == "COMPLETED" and r["completed_at"]]
     latencies = [(r["completed_at"] - r["created_at"]) * 1000 for r in done]
     last = max((r["completed_at"] for r in done), default=data["t_seen_done"])
     first_create = min((r["created_at"] for r in runs), default=data["t_start"])
     seconds = max(last - data["t_start"], 1e-9)
+    create_seconds = data["t_created"] - data["t_start"]
+    burst_seconds = last - first_create
+    complete = bool(done) and len(done) == len(runs)
+    first_done = min((r["completed_at"] for r in done), default=None)
     return {
         "runs": len(runs),
         "completed": len(done),
         "not_completed": len(runs) - len(done),
         "timed_out": data["timed_out"],
         "seconds": round(seconds, 3),
-        "create_seconds": round(data["t_created"] - data["t_start"], 3),
+        "create_seconds": round(create_seconds, 3),
         "runs_per_s": round(len(done) / seconds, 2),
         "stages_per_s": round(len(done) * STAGES_PER_RUN / seconds, 2),
         "create_to_completed": _ms(latencies),
-        "burst_seconds": round(last - first_create, 3),
-        "p50_over_burst": p50_over_burst(latencies, last - first_create),
+        "burst_seconds": round(burst_seconds, 3),
+        "p50_over_burst": p50_over_burst(latencies, burst_seconds) if complete else None,
+        "first_completion_s": (
+            round(first_done - first_create, 3) if first_done is not None else None
+        ),
+        "steady_rate_value": (
+            steady_rate_value(first_done - first_create, burst_seconds, create_seconds)
+            if complete and first_done is not None
+            else None
+        ),
     }
 
 
 def p50_over_burst(latencies_ms: list[float], burst_seconds: float) -> float | None:
     """The burst's shape: the median run's create -> completed latency ÷ the burst's
-    duration (first create -> last completion). Below 0.5, more than half of the runs were
-    done by mid-burst; 1.0 would be every run finishing at the end together."""
+    duration (first create -> last completion). Below 0.5 the median run waited less than
+    half the burst; about 1.0 would be every run finishing together at the end."""
     p50 = percentile(latencies_ms, 50)
     if not p50 or burst_seconds <= 0:
         return None
     return round(p50 / (burst_seconds * 1000), 3)
 
 
-def fifo_floor(first_completion_s: float, burst_seconds: float) -> float | None:
-    """The lowest ``p50_over_burst`` a burst that becomes visible at once can show when runs
-    finish at a steady rate, oldest first: ``0.5 + t0 / (2 D)``, ``t0`` the first run's own
-    latency after the commit, ``D`` the burst's duration (docs/howto/benchmarks.md, "Why the
-    one-transaction burst sits at 0.5")."""
+def steady_rate_value(
+    first_completion_s: float, burst_seconds: float, create_seconds: float = 0.0
+) -> float | None:
+    """What :func:`p50_over_burst` comes to when runs finish at a steady rate, oldest first:
+    ``0.5 + (t0 - C) / (2 D)``. ``t0``: the first run's own latency (for a burst that becomes
+    visible at once, from the commit); ``C``: how long the runs took to create, while the
+    workers already ran (0 for one transaction); ``D``: the burst's duration. A burst above
+    it started slower than it went on; below it, it slowed towards its end
+    (docs/howto/benchmarks.md, "Why the one-transaction burst sits at 0.5")."""
     if burst_seconds <= 0:
         return None
-    return round(0.5 + max(0.0, first_completion_s) / (2 * burst_seconds), 3)
+    t0 = max(0.0, first_completion_s)
+    return round(0.5 + (t0 - max(0.0, create_seconds)) / (2 * burst_seconds), 3)
 
 
 def ours_throughput(dbs: Databases, backend: str, runs: int) -> dict[str, Any]:
@@ -462,10 +481,14 @@ def burst(dbs: Databases, backend: str, runs: int, *, delivery_timeout: float) -
                 )
             )
     out["event_delivery"] = delivery_stats(data, delivery_timeout, committed_at=data["t_committed"])
+    # all visible at the commit: t0 counts from it, and no run was visible before it
     completed = [r["completed_at"] for r in data["runs"] if r["completed_at"]]
-    if completed and data["t_committed"]:
+    out["first_completion_s"] = out["steady_rate_value"] = None
+    if completed and data["t_committed"] and out["p50_over_burst"] is not None:
         out["first_completion_s"] = round(min(completed) - data["t_committed"], 3)
-        out["fifo_floor"] = fifo_floor(out["first_completion_s"], out["burst_seconds"])
+        out["steady_rate_value"] = steady_rate_value(
+            out["first_completion_s"], out["burst_seconds"]
+        )
     out["loadavg_1m"] = round(os.getloadavg()[0], 2)
     return out
 
@@ -474,9 +497,10 @@ def bursts(
     dbs: Databases, backend: str, runs: int, count: int, *, delivery_timeout: float
 ) -> dict[str, Any]:
     """Section 5, ``count`` times (each on a fresh database and cluster): the burst whose
-    ``p50_over_burst`` is the median of them, with every burst's shape, floor and delivery p95
-    under ``"bursts"``, the median ratio and the worst delivery p95 (what the targets read).
-    A burst that fails is listed with its error; all failing raises the last error."""
+    ``p50_over_burst`` is the (lower) median of them, with every burst's shape, steady-rate
+    value and delivery p95 under ``"bursts"``, and the worst delivery p95 (what the delivery
+    target reads). A burst that fails is listed with its error; all failing raises the last
+    error."""
     results: list[dict[str, Any]] = []
     last_error: Exception | None = None
     for _ in range(count):
@@ -498,7 +522,7 @@ def bursts(
             "bursts": [
                 {
                     "p50_over_burst": r.get("p50_over_burst"),
-                    "fifo_floor": r.get("fifo_floor"),
+                    "steady_rate_value": r.get("steady_rate_value"),
                     "first_completion_s": r.get("first_completion_s"),
                     "burst_seconds": r.get("burst_seconds"),
                     "event_delivery_p95_ms": _get_p95(r),
@@ -507,10 +531,6 @@ def bursts(
                 }
                 for r in results
             ],
-            "p50_over_burst_median": percentile([r["p50_over_burst"] for r in ok], 50),
-            "fifo_floor_median": percentile(
-                [r["fifo_floor"] for r in ok if r.get("fifo_floor") is not None], 50
-            ),
             "event_delivery_p95_ms_max": max((p for p in p95s if p is not None), default=None),
         }
     )

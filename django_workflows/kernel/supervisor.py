@@ -50,6 +50,8 @@ logger = logging.getLogger("django_workflows.worker")
 TICKER_LEASE = "ticker"
 #: The longest the supervisor sleeps between two looks at its duties.
 MAX_SLEEP_SECONDS = 60.0
+#: How long :meth:`Supervisor.halt` waits for the thread to finish the duty it is in (seconds).
+HALT_JOIN_SECONDS = 10.0
 #: How often a stop request of the cluster is looked for (a lock-free read, no query).
 STOP_POLL_SECONDS = 0.2
 #: After a release, how long the stage body may take to notice ``ctx.is_cancelled()`` and
@@ -466,7 +468,13 @@ class Supervisor:
         self._halt.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=HALT_JOIN_SECONDS)
+            if self._thread.is_alive():
+                logger.warning(
+                    "The supervisor thread is still inside a duty %s s after the halt; its "
+                    "duties are stopped anyway",
+                    HALT_JOIN_SECONDS,
+                )
         if stop_duties:
             for duty in list(self.duties):
                 duty.stop()
@@ -475,6 +483,8 @@ class Supervisor:
         """Run every duty that is due; return seconds until the next one is."""
         wait = MAX_SLEEP_SECONDS
         for duty in list(self.duties):
+            if self._halt.is_set():  # halting: the rest of the cycle is not started
+                break
             wait = min(wait, self._run_duty(duty))
         return wait
 

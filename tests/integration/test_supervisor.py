@@ -9,6 +9,7 @@ by a number passed to ``run(now)``, so no test sleeps. The real-process versions
 from __future__ import annotations
 
 import multiprocessing
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -545,11 +546,9 @@ class _Blocking:
 
     name = "blocking"
 
-    def __init__(self) -> None:
-        import threading
-
+    def __init__(self, release: threading.Event) -> None:
         self.inside = threading.Event()
-        self.release: Any = threading.Event()
+        self.release = release
         self.running = False
         self.stopped_while_running: bool | None = None
 
@@ -567,18 +566,37 @@ class _Blocking:
         self.stopped_while_running = self.running
 
 
+class _Counting:
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.runs = 0
+        self.stopped = False
+
+    def poke(self) -> None:
+        return None
+
+    def run(self, now: float) -> float:
+        self.runs += 1
+        return 3600.0
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
 def test_halt_ends_the_thread_before_stopping_the_duties() -> None:
     """``halt`` ends the supervisor thread first, so a duty's ``stop`` never runs beside the
     same duty's ``run`` (CI, stop 28: the presence withdraw raced an announce on SQLite's
     shared in-memory database and failed with "database table is locked"). The duty's run
     returns once the halt is requested: stopping the duty before that would find it running.
-    """
-    duty = _Blocking()
+    The rest of the cycle is not started once the halt is requested."""
     supervisor = Supervisor()
-    supervisor.add(duty)
-    duty.release = supervisor._halt
+    blocking, later = _Blocking(supervisor._halt), _Counting()
+    supervisor.add(blocking)
+    supervisor.add(later)
     supervisor.start()
-    assert duty.inside.wait(10)
+    assert blocking.inside.wait(10)
     supervisor.halt()
-    assert duty.stopped_while_running is False
+    assert blocking.stopped_while_running is False
+    assert later.runs == 0 and later.stopped
     assert not supervisor.alive

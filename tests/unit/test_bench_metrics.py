@@ -154,17 +154,52 @@ def test_burst_event_delivery_counts_from_the_creation_commit() -> None:
     assert plain["p50_ms"] == plain["written_p50_ms"]
 
 
-def test_burst_shape_is_the_median_latency_over_the_burst_and_its_floor() -> None:
-    from bench.sections import fifo_floor, p50_over_burst
+def test_burst_shape_is_the_median_latency_over_the_burst_beside_its_steady_rate_value() -> None:
+    from bench.sections import p50_over_burst, steady_rate_value
 
     # runs finishing 1..9 s after their creates over a 10 s burst: median latency 5 s
     assert p50_over_burst([float(ms) for ms in range(1000, 10_000, 1000)], 10.0) == 0.5
     assert p50_over_burst([], 10.0) is None
     assert p50_over_burst([100.0], 0.0) is None
-    # the first run done 0.2 s after the commit of a 2 s burst: nothing FIFO beats 0.55
-    assert fifo_floor(0.2, 2.0) == 0.55
-    assert fifo_floor(-0.01, 2.0) == 0.5  # clock noise: never below 0.5
-    assert fifo_floor(0.2, 0.0) is None
+    # all visible at once, the first run done 0.2 s after the commit of a 2 s burst
+    assert steady_rate_value(0.2, 2.0) == 0.55
+    assert steady_rate_value(-0.01, 2.0) == 0.5  # clock noise: t0 is never negative
+    assert steady_rate_value(0.2, 0.0) is None
+    # created over 1 s while the workers run: the median run waited less than half the burst
+    assert steady_rate_value(0.2, 2.0, create_seconds=1.0) == 0.3
+
+
+def _simulated_rounds(n: int, create_s: float, t0: float, duration: float) -> dict:
+    """A create_and_wait result: ``n`` runs created evenly over ``create_s``, finishing at
+    a steady rate, oldest first, the first ``t0`` after its create, the last at
+    ``duration``."""
+    runs = []
+    for k in range(n):
+        created = create_s * k / (n - 1)
+        done = t0 + (duration - t0) * k / (n - 1)
+        runs.append({"status": "COMPLETED", "created_at": created, "completed_at": done})
+    return {
+        "runs": runs,
+        "t_start": 0.0,
+        "t_created": create_s,
+        "t_seen_done": duration,
+        "timed_out": False,
+    }
+
+
+def test_a_steady_first_come_first_served_round_scores_its_steady_rate_value() -> None:
+    """The formula is what such a round measures (so a round above it started slower or was
+    unfair), and a round with an unfinished run has no shape (it would look better)."""
+    from bench.sections import _run_metrics
+
+    for create_s, t0, duration in ((0.0, 0.05, 2.0), (0.6, 0.05, 2.5), (1.5, 0.1, 3.0)):
+        out = _run_metrics(_simulated_rounds(301, create_s, t0, duration))
+        assert abs(out["p50_over_burst"] - out["steady_rate_value"]) <= 0.002, out
+    data = _simulated_rounds(301, 0.6, 0.05, 2.5)
+    data["runs"][-1].update(status="RUNNING", completed_at=None)
+    out = _run_metrics(data)
+    assert out["p50_over_burst"] is None and out["steady_rate_value"] is None
+    assert out["not_completed"] == 1
 
 
 def test_bursts_report_the_median_burst_and_the_worst_delivery(
@@ -180,13 +215,13 @@ def test_bursts_report_the_median_burst_and_the_worst_delivery(
             raise got
         return {
             "p50_over_burst": got[0],
-            "fifo_floor": 0.505,
+            "steady_rate_value": 0.505,
             "event_delivery": {"p95_ms": got[1]},
         }
 
     monkeypatch.setattr(sections, "burst", fake_burst)
     out = sections.bursts(None, "postgres", 300, 4, delivery_timeout=1.0)  # type: ignore[arg-type]
-    assert out["p50_over_burst"] == 0.51 and out["p50_over_burst_median"] == 0.51
+    assert out["p50_over_burst"] == 0.51  # the median of the three that completed
     assert out["event_delivery_p95_ms_max"] == 420.0
     assert [b.get("p50_over_burst") for b in out["bursts"]] == [0.53, 0.49, None, 0.51]
     assert "cluster died" in out["bursts"][2]["error"]
@@ -195,18 +230,45 @@ def test_bursts_report_the_median_burst_and_the_worst_delivery(
         sections.bursts(None, "postgres", 300, 2, delivery_timeout=1.0)  # type: ignore[arg-type]
 
 
-def test_burst_shape_targets_read_the_rounds_and_show_the_one_transaction_burst() -> None:
+def test_burst_shape_targets_read_the_one_transaction_burst_and_the_rounds() -> None:
     quiet, loaded = _round(100, 200, 50, 0.5), _round(50, 40, 100, 1.5)
-    quiet["ours"]["p50_over_burst"], loaded["ours"]["p50_over_burst"] = 0.42, 0.55
+    quiet["ours"].update(p50_over_burst=0.42, steady_rate_value=0.40)
+    loaded["ours"].update(p50_over_burst=0.55, steady_rate_value=0.35)
     quiet["dbos_queue"]["p50_over_burst"] = 0.47
     rounds = [{"round": 1, **quiet, "loaded": loaded}]
     data = {"rounds": rounds, "conditions": report.summarize_conditions(rounds)}
-    data["burst"] = {"p50_over_burst_median": 0.512, "fifo_floor_median": 0.504}
+    data["burst"] = {"p50_over_burst": 0.512, "steady_rate_value": 0.504}
     assert data["conditions"]["quiet"]["dbos_queue_p50_over_burst"] == 0.47
     assert data["conditions"]["loaded"]["dbos_queue_p50_over_burst"] is None
+    assert data["conditions"]["loaded"]["ours_steady_rate_value"] == 0.35
     targets = report.evaluate_targets({"databases": {"postgres": data}})
-    shape = {t["target"]: t for t in targets if "burst duration" in t["target"]}
-    by_condition = {name.rsplit("(median, ", 1)[-1]: t["pass"] for name, t in shape.items()}
-    assert by_condition["quiet)"] is True and by_condition["loaded)"] is False
-    (one,) = [t for t in shape.values() if t["op"] == "info"]
-    assert one["value"] == 0.512 and one["pass"] is None and "0.504" in one["target"]
+    judged = {t["target"]: t["pass"] for t in targets if t["op"] != "info"}
+    shown = {t["target"]: t["value"] for t in targets if t["op"] == "info"}
+    assert judged["burst p50 ÷ burst duration, one transaction (the median of the bursts)"] is False
+    rounds_shape = {k.rsplit("median, ", 1)[-1]: v for k, v in judged.items() if "rounds" in k}
+    assert rounds_shape == {"quiet)": True, "loaded)": False}
+    assert shown["the same burst's steady-rate value 0.5 + t0/(2D) (section 5)"] == 0.504
+    assert all(t["pass"] is None for t in targets if t["op"] == "info")
+    text = report.render_markdown(
+        {
+            "environment": {
+                "nproc": 2,
+                "platform": "x",
+                "loadavg_start": [0],
+                "git_commit": "c",
+                "versions": dict.fromkeys(
+                    ("python", "django", "django-q2", "postgresql", "sqlite", "dbos"), "v"
+                ),
+            },
+            "date": "d",
+            "args": {},
+            "ratio_vs_dbos": None,
+            "ratio_vs_django_q2": None,
+            "ratio_database": "postgres",
+            "targets": targets,
+            "errors": [],
+            "databases": {},
+        }
+    )
+    assert "- INFO [postgres] the same burst's steady-rate value" in text
+    assert "- FAIL [postgres] burst p50 ÷ burst duration, one transaction" in text
