@@ -160,8 +160,24 @@ def bench_database(
     return out
 
 
+def missing_requirements() -> list[str]:
+    """The modules the bench cannot measure without (the ``bench`` extra), not importable
+    here. DBOS is in the extra too but optional: its rounds report an error without it."""
+    import importlib.util
+
+    return [name for name in ("psutil",) if importlib.util.find_spec(name) is None]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    missing = missing_requirements()
+    if missing:
+        print(
+            f"python -m bench: {', '.join(missing)} is not installed; install the bench "
+            "extra first: .venv/bin/pip install -e '.[bench]'",
+            file=sys.stderr,
+        )
+        return 2
     backends = ["postgres", "sqlite"] if args.db == "both" else [args.db]
     started = time.time()
     result: dict[str, Any] = {

@@ -272,3 +272,21 @@ def test_burst_shape_targets_read_the_one_transaction_burst_and_the_rounds() -> 
     )
     assert "- INFO [postgres] the same burst's steady-rate value" in text
     assert "- FAIL [postgres] burst p50 ÷ burst duration, one transaction" in text
+
+
+def test_the_bench_stops_at_once_without_its_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without psutil every cluster section would fail with a traceback and the run still
+    exit 0: it exits 2 before measuring anything, naming the extra."""
+    import importlib.util
+
+    import bench.__main__ as command
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "psutil" else real(name)
+    )
+    assert command.missing_requirements() == ["psutil"]
+    assert command.main(["--quick", "--db", "sqlite"]) == 2
+    assert "pip install -e '.[bench]'" in capsys.readouterr().err
