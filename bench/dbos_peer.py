@@ -154,7 +154,7 @@ def _burst_shape(url: str, workflow_ids: list[str]) -> dict[str, Any]:
     or a workflow did not succeed."""
     import psycopg
 
-    from bench.common import percentile
+    from bench.sections import p50_over_burst, steady_rate_value
 
     try:
         with psycopg.connect(url.split("?")[0], autocommit=True) as conn:
@@ -167,19 +167,14 @@ def _burst_shape(url: str, workflow_ids: list[str]) -> dict[str, Any]:
         return {}
     if not rows or len(rows) != len(workflow_ids):
         return {"burst_shape_read_xacts": 1}
-    created = [row[0] for row in rows]
-    p50 = percentile([done - start for start, done in rows], 50)
-    burst_ms = max(done for _, done in rows) - created[0]
-    if not p50 or burst_ms <= 0:
-        return {"burst_shape_read_xacts": 1}
-    t0, c = rows[0][1] - rows[0][0], created[-1] - created[0]
+    burst_s = (max(done for _, done in rows) - rows[0][0]) / 1000
+    t0_s, create_s = (rows[0][1] - rows[0][0]) / 1000, (rows[-1][0] - rows[0][0]) / 1000
     return {
         "burst_shape_read_xacts": 1,
-        "burst_p50_ms": p50,
-        "burst_seconds": burst_ms / 1000,
-        "create_seconds": c / 1000,
-        "p50_over_burst": round(p50 / burst_ms, 3),
-        "steady_rate_value": round(0.5 + (t0 - c) / (2 * burst_ms), 3),
+        "burst_seconds": burst_s,
+        "create_seconds": create_s,
+        "p50_over_burst": p50_over_burst([float(done - start) for start, done in rows], burst_s),
+        "steady_rate_value": steady_rate_value(t0_s, burst_s, create_s),
     }
 
 

@@ -123,7 +123,9 @@ def _round(value: float | None, digits: int = 2) -> float | None:
 def _run_metrics(data: dict[str, Any]) -> dict[str, Any]:
     """Rates and latencies from a ``create_and_wait`` result (wall times of one host), and
     the burst's shape (:func:`p50_over_burst`, ``None`` when a run did not complete) beside
-    its :func:`steady_rate_value` for runs created over ``create_seconds``."""
+    its :func:`steady_rate_value`: for runs created in one transaction (``t_committed`` set)
+    ``t0`` counts from the commit and nothing was visible before it; otherwise from the first
+    create, the runs created over ``create_seconds``."""
     runs = data["runs"]
     done = [r for r in runs if r["status"] == "COMPLETED" and r["completed_at"]]
     latencies = [(r["completed_at"] - r["created_at"]) * 1000 for r in done]
@@ -133,7 +135,9 @@ def _run_metrics(data: dict[str, Any]) -> dict[str, Any]:
     create_seconds = data["t_created"] - data["t_start"]
     burst_seconds = last - first_create
     complete = bool(done) and len(done) == len(runs)
-    first_done = min((r["completed_at"] for r in done), default=None)
+    committed = data.get("t_committed")
+    origin, spread = (committed, 0.0) if committed else (first_create, create_seconds)
+    t0 = min(r["completed_at"] for r in done) - origin if complete else None
     return {
         "runs": len(runs),
         "completed": len(done),
@@ -146,13 +150,9 @@ def _run_metrics(data: dict[str, Any]) -> dict[str, Any]:
         "create_to_completed": _ms(latencies),
         "burst_seconds": round(burst_seconds, 3),
         "p50_over_burst": p50_over_burst(latencies, burst_seconds) if complete else None,
-        "first_completion_s": (
-            round(first_done - first_create, 3) if first_done is not None else None
-        ),
+        "first_completion_s": round(t0, 3) if t0 is not None else None,
         "steady_rate_value": (
-            steady_rate_value(first_done - first_create, burst_seconds, create_seconds)
-            if complete and first_done is not None
-            else None
+            steady_rate_value(t0, burst_seconds, spread) if t0 is not None else None
         ),
     }
 
@@ -481,14 +481,6 @@ def burst(dbs: Databases, backend: str, runs: int, *, delivery_timeout: float) -
                 )
             )
     out["event_delivery"] = delivery_stats(data, delivery_timeout, committed_at=data["t_committed"])
-    # all visible at the commit: t0 counts from it, and no run was visible before it
-    completed = [r["completed_at"] for r in data["runs"] if r["completed_at"]]
-    out["first_completion_s"] = out["steady_rate_value"] = None
-    if completed and data["t_committed"] and out["p50_over_burst"] is not None:
-        out["first_completion_s"] = round(min(completed) - data["t_committed"], 3)
-        out["steady_rate_value"] = steady_rate_value(
-            out["first_completion_s"], out["burst_seconds"]
-        )
     out["loadavg_1m"] = round(os.getloadavg()[0], 2)
     return out
 
